@@ -1,0 +1,15 @@
+"""SGLang fork for DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5)."""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy: `import sglang` stays cheap (no torch import) for CLI tools and clients.
+    if name == "Engine":
+        from sglang.srt.entrypoints.engine import Engine
+
+        return Engine
+    raise AttributeError(name)
+
+
+__all__ = ["Engine", "__version__"]

@@ -1,0 +1,59 @@
+"""Process groups (TP / CP / EP) over torch.distributed: gloo on CPU, NCCL on GPU.
+
+Groups are passed explicitly to the layers that need them (no global context to reset in tests);
+a single-rank group is a no-op so the same model code runs without torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class GroupCoordinator:
+    rank: int = 0
+    world_size: int = 1
+    group: object | None = None  # torch.distributed.ProcessGroup
+
+    @property
+    def is_single(self) -> bool:
+        return self.world_size == 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_single:
+            return x
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.is_single:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        if self.is_single:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+
+SINGLE_GROUP = GroupCoordinator()
+
+
+def init_distributed(
+    world_size: int, rank: int, init_method: str, backend: str | None = None
+) -> GroupCoordinator:
+    """Start torch.distributed for one TP group spanning all ranks of this server."""
+    if world_size == 1:
+        return SINGLE_GROUP
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank)
+    return GroupCoordinator(rank=rank, world_size=world_size, group=dist.group.WORLD)

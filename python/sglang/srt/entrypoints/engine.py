@@ -1,0 +1,148 @@
+"""Offline engine: `sglang.Engine(model_path=...).generate(prompts, sampling_params)`.
+
+Runs the scheduler in this process (no HTTP, no IPC) -- the same Scheduler class the server's
+scheduler process runs -- and detokenizes with the same DecodeState.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from typing import Any, Iterator
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.managers.detokenizer_manager import DecodeState
+from sglang.srt.managers.io_struct import ReqOutput, TokenizedGenerateReqInput
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.tokenizer_utils import load_tokenizer
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.common import configure_logger
+
+logger = logging.getLogger(__name__)
+
+
+class _Pending:
+    def __init__(self, rid: str, decode: DecodeState, prompt_len: int) -> None:
+        self.rid, self.decode = rid, decode
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.meta: dict[str, Any] = {"id": rid, "prompt_tokens": prompt_len, "finish_reason": None}
+        self.done = False
+
+    def apply(self, out: ReqOutput) -> str:
+        self.output_ids += out.new_token_ids
+        delta = self.decode.push(out.new_token_ids, out.finished_reason)
+        self.text += delta
+        self.meta.update(completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
+                         prompt_tokens=out.prompt_tokens)
+        if out.output_token_logprobs is not None:
+            self.meta.setdefault("output_token_logprobs", []).extend(
+                zip(out.output_token_logprobs, out.new_token_ids))
+            if out.output_top_logprobs:
+                self.meta.setdefault("output_top_logprobs", []).extend(out.output_top_logprobs)
+        if out.input_token_logprobs is not None:
+            self.meta["input_token_logprobs"] = out.input_token_logprobs
+            self.meta["input_top_logprobs"] = out.input_top_logprobs
+        if out.finished_reason is not None:
+            self.meta["finish_reason"] = out.finished_reason
+            self.done = True
+        return delta
+
+    def result(self) -> dict:
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": dict(self.meta)}
+
+
+class Engine:
+    def __init__(self, log_level: str = "error", **kwargs: Any) -> None:
+        configure_logger(log_level)
+        self.server_args = ServerArgs.from_kwargs(log_level=log_level, **kwargs).resolve()
+        sa = self.server_args
+        self.model_config = ModelConfig(sa.model_path, sa.dtype, sa.context_length, sa.json_model_override_args,
+                                        sa.trust_remote_code)
+        self.tokenizer = load_tokenizer(sa.tokenizer_path if sa.tokenizer_path != sa.model_path
+                                        else self.model_config.model_path, sa.trust_remote_code)
+        self.scheduler = Scheduler(sa, self.model_config, self.tokenizer)
+        self._ids = itertools.count()
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def _submit(self, prompt: str | None, input_ids: list[int] | None, params: dict | SamplingParams | None,
+                return_logprob: bool, logprob_start_len: int, top_logprobs_num: int) -> _Pending:
+        sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(dict(params or {}))
+        sp.normalize(self.tokenizer)
+        sp.verify(self.model_config.vocab_size)
+        if input_ids is None:
+            if prompt is None:
+                raise ValueError("either a prompt or input_ids is required")
+            input_ids = self.tokenizer.encode(prompt)
+        rid = f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        pending = _Pending(rid, DecodeState(self.tokenizer, sp.skip_special_tokens, sp.spaces_between_special_tokens,
+                                            sp.stop_strs, sp.no_stop_trim), len(input_ids))
+        for out in self.scheduler.add_request(TokenizedGenerateReqInput(
+                rid, list(input_ids), sp, return_logprob, logprob_start_len, top_logprobs_num)):
+            pending.apply(out)
+        return pending
+
+    def _run(self, pendings: list[_Pending]) -> Iterator[tuple[_Pending, str]]:
+        by_rid = {p.rid: p for p in pendings}
+        while any(not p.done for p in pendings):
+            outs = self.scheduler.step()
+            if not outs and not self.scheduler.has_work():
+                raise RuntimeError("scheduler idle with unfinished requests")
+            for out in outs:
+                p = by_rid.get(out.rid)
+                if p is not None:
+                    yield p, p.apply(out)
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+    ):
+        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
+
+        Each result: {"text", "output_ids", "meta_info": {prompt_tokens, completion_tokens,
+        cached_tokens, finish_reason, [input|output]_token_logprobs ...}}. With stream=True
+        (single prompt), yields dicts with the text delta instead.
+        """
+        single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        ids = [input_ids] if single and input_ids is not None else input_ids
+        n = len(prompts) if prompts is not None else len(ids or [])
+        if n == 0:
+            raise ValueError("no prompts given")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling_params for {n} prompts")
+        pendings = [self._submit(prompts[i] if prompts else None, ids[i] if ids else None, params[i],
+                                 return_logprob, logprob_start_len, top_logprobs_num) for i in range(n)]
+        if stream:
+            if n != 1:
+                raise ValueError("stream=True takes a single prompt")
+            return self._stream(pendings[0])
+        for _ in self._run(pendings):
+            pass
+        results = [p.result() for p in pendings]
+        return results[0] if single else results
+
+    def _stream(self, pending: _Pending):
+        for p, delta in self._run([pending]):
+            yield {"text": delta, "meta_info": dict(p.meta)}
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache().success
+
+    def shutdown(self) -> None:
+        self.scheduler = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,161 @@
+"""Native sparse attention (DSA) backend, torch reference implementation.
+
+MLA over the paged latent cache, dense (DeepSeek-V3) or restricted to the indexer's top-k
+(DeepSeek-V3.2 / GLM-5). Two equivalent formulations:
+- plain ("MHA"): expand the cached latents with kv_b_proj into per-head K/V, then attend;
+- absorbed ("MQA"): fold kv_b_proj's K half into q and its V half into the output, and attend
+  directly over the latent cache (what decode kernels such as FlashMLA do).
+`mla_path="auto"` uses plain for extend and absorbed for decode; tests force either and compare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+MLA_PATHS = ("auto", "plain", "absorbed")
+
+
+@dataclass
+class NSAMetadata:
+    """Per-forward KV layout, shared by every layer (and by the DSA indexer)."""
+
+    kv_indices: list[torch.Tensor]  # per request: KV slots of positions [0, seq_len)
+    kv_indices_padded: torch.Tensor  # [B, Lmax], padding slot 0
+    kv_valid: torch.Tensor  # [B, Lmax] bool
+    seq_lens: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    starts: list[int]
+
+
+def build_nsa_metadata(forward_batch: ForwardBatch) -> NSAMetadata:
+    r2t = forward_batch.req_to_token_pool.req_to_token
+    seq_lens = forward_batch.seq_lens_cpu
+    b = forward_batch.batch_size
+    lmax = max(seq_lens) if seq_lens else 0
+    padded = r2t[forward_batch.req_pool_indices, :lmax] if b else r2t[:0, :0]
+    ar = torch.arange(lmax, device=padded.device)
+    valid = ar[None, :] < forward_batch.seq_lens[:, None]
+    padded = torch.where(valid, padded, torch.zeros_like(padded))
+    starts = [0] * b
+    acc = 0
+    for i, e in enumerate(forward_batch.extend_seq_lens_cpu):
+        starts[i] = acc
+        acc += e
+    return NSAMetadata(
+        kv_indices=[padded[i, : seq_lens[i]] for i in range(b)],
+        kv_indices_padded=padded,
+        kv_valid=valid,
+        seq_lens=list(seq_lens),
+        prefix_lens=list(forward_batch.extend_prefix_lens_cpu),
+        extend_lens=list(forward_batch.extend_seq_lens_cpu),
+        starts=starts,
+    )
+
+
+def topk_to_mask(topk: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[..., K] request-local positions (-1 = none) -> [..., num_keys] bool selection mask."""
+    idx = torch.where(topk >= 0, topk.long(), torch.full_like(topk, num_keys, dtype=torch.long))
+    mask = torch.zeros(*topk.shape[:-1], num_keys + 1, dtype=torch.bool, device=topk.device)
+    mask.scatter_(-1, idx, True)
+    return mask[..., :num_keys]
+
+
+class NativeSparseAttnBackend(AttentionBackend):
+    def __init__(self, token_to_kv_pool, mla_path: str = "auto") -> None:
+        if mla_path not in MLA_PATHS:
+            raise ValueError(f"mla_path {mla_path!r} not in {MLA_PATHS}")
+        self.pool = token_to_kv_pool
+        self.mla_path = mla_path
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        forward_batch.attn_metadata = build_nsa_metadata(forward_batch)
+
+    # ------------------------------------------------------------------------------------------
+    def forward_mla(
+        self,
+        layer,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        k_rope: torch.Tensor,
+        forward_batch: ForwardBatch,
+        topk_indices: torch.Tensor | None = None,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if save_kv_cache:
+            self.pool.set_mla_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, latent, k_rope)
+        md: NSAMetadata = forward_batch.attn_metadata
+        absorbed = self.mla_path == "absorbed" or (
+            self.mla_path == "auto" and forward_batch.forward_mode.is_decode()
+        )
+        if forward_batch.forward_mode.is_decode():
+            return self._decode_absorbed(layer, q_nope, q_rope, md, topk_indices)
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], layer.v_head_dim)
+        for i in range(forward_batch.batch_size):
+            s, e = md.starts[i], md.extend_lens[i]
+            if e == 0:
+                continue
+            topk = topk_indices[s : s + e] if topk_indices is not None else None
+            fn = self._extend_absorbed if absorbed else self._extend_plain
+            out[s : s + e] = fn(layer, q_nope[s : s + e], q_rope[s : s + e], md, i, topk)
+        return out
+
+    # -- masks -----------------------------------------------------------------------------------
+    @staticmethod
+    def _extend_mask(md: NSAMetadata, i: int, topk: torch.Tensor | None, device) -> torch.Tensor:
+        e, pl, L = md.extend_lens[i], md.prefix_lens[i], md.seq_lens[i]
+        qpos = torch.arange(pl, pl + e, device=device)
+        mask = torch.arange(L, device=device)[None, :] <= qpos[:, None]  # causal
+        if topk is not None:
+            mask &= topk_to_mask(topk, L)
+        return mask  # [E, L]
+
+    @staticmethod
+    def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = scores.float().masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores, dim=-1)
+
+    # -- plain (MHA) path ---------------------------------------------------------------------
+    def _extend_plain(self, layer, q_nope, q_rope, md: NSAMetadata, i: int, topk) -> torch.Tensor:
+        latent, k_rope = self.pool.get_mla_kv(layer.layer_id, md.kv_indices[i])  # [L, c], [L, r]
+        kv = torch.nn.functional.linear(latent.to(q_nope.dtype), layer.kv_b_proj.weight)
+        kv = kv.view(latent.shape[0], layer.num_local_heads, layer.qk_nope_head_dim + layer.v_head_dim)
+        k_nope, v = kv.split([layer.qk_nope_head_dim, layer.v_head_dim], dim=-1)
+        scores = torch.einsum("ehd,lhd->hel", q_nope, k_nope)
+        scores = scores + torch.einsum("ehr,lr->hel", q_rope, k_rope.to(q_rope.dtype))
+        scores = scores * layer.scaling
+        probs = self._softmax(scores, self._extend_mask(md, i, topk, q_nope.device)[None])
+        return torch.einsum("hel,lhv->ehv", probs.to(v.dtype), v)
+
+    # -- absorbed (MQA) path ------------------------------------------------------------------
+    def _extend_absorbed(self, layer, q_nope, q_rope, md: NSAMetadata, i: int, topk) -> torch.Tensor:
+        latent, k_rope = self.pool.get_mla_kv(layer.layer_id, md.kv_indices[i])
+        w_kc, w_vc = layer.absorbed_weights()
+        q_lat = torch.einsum("ehn,hnc->ehc", q_nope, w_kc)
+        scores = torch.einsum("ehc,lc->hel", q_lat, latent.to(q_lat.dtype))
+        scores = scores + torch.einsum("ehr,lr->hel", q_rope, k_rope.to(q_rope.dtype))
+        probs = self._softmax(scores * layer.scaling, self._extend_mask(md, i, topk, q_nope.device)[None])
+        o_lat = torch.einsum("hel,lc->ehc", probs.to(q_lat.dtype), latent.to(q_lat.dtype))
+        return torch.einsum("ehc,hvc->ehv", o_lat, w_vc)
+
+    def _decode_absorbed(self, layer, q_nope, q_rope, md: NSAMetadata, topk) -> torch.Tensor:
+        """One query per request, batched: dense over [0, seq_len) or gathered top-k keys."""
+        if topk is None:
+            slots, valid = md.kv_indices_padded, md.kv_valid
+        else:
+            slots = md.kv_indices_padded.gather(1, topk.long().clamp(min=0))
+            valid = topk >= 0
+        latent, k_rope = self.pool.get_mla_kv(layer.layer_id, slots)  # [B, K, c], [B, K, r]
+        w_kc, w_vc = layer.absorbed_weights()
+        q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_kc)
+        scores = torch.einsum("bhc,bkc->bhk", q_lat, latent.to(q_lat.dtype))
+        scores = scores + torch.einsum("bhr,bkr->bhk", q_rope, k_rope.to(q_rope.dtype))
+        probs = self._softmax(scores * layer.scaling, valid[:, None, :])
+        o_lat = torch.einsum("bhk,bkc->bhc", probs.to(q_lat.dtype), latent.to(q_lat.dtype))
+        return torch.einsum("bhc,hvc->bhv", o_lat, w_vc)

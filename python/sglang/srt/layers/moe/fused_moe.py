@@ -1,0 +1,79 @@
+"""FusedMoE: stacked expert weights + a dispatcher + the expert kernel."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
+from sglang.srt.layers.moe.fused_moe_native import fused_experts_native
+from sglang.srt.layers.moe.token_dispatcher import BaseDispatcher, StandardDispatcher
+from sglang.srt.layers.moe.topk import TopKOutput
+
+
+class FusedMoE(nn.Module):
+    """Routed experts. Weights: w13 [E, 2 * I/tp, H] (gate rows then up rows), w2 [E, H, I/tp].
+
+    HF checkpoints name experts `experts.{e}.{gate_proj,up_proj,down_proj}.weight`; fused
+    checkpoints (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) load too.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp_group: GroupCoordinator = SINGLE_GROUP,
+        dispatcher: BaseDispatcher | None = None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        tp = tp_group.world_size
+        if intermediate_size % tp:
+            raise ValueError(f"moe_intermediate_size {intermediate_size} not divisible by tp size {tp}")
+        self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.intermediate_size, self.local_inter = intermediate_size, intermediate_size // tp
+        self.tp_group = tp_group
+        self.expert_offset = 0
+        self.dispatcher = dispatcher or StandardDispatcher()
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * self.local_inter, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.local_inter, dtype=dtype), requires_grad=False)
+
+    def _tp_slice(self, w: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.tp_group.is_single:
+            return w
+        return w.narrow(dim, self.tp_group.rank * self.local_inter, self.local_inter)
+
+    def load_expert_weight(self, loaded: torch.Tensor, expert_id: int, shard: str) -> None:
+        """shard: 'w1' (gate_proj), 'w3' (up_proj) or 'w2' (down_proj), HF [out, in] layout."""
+        n, i = self.hidden_size, self.intermediate_size
+        expect = (n, i) if shard == "w2" else (i, n)
+        if tuple(loaded.shape) != expect:
+            raise ValueError(f"expert {expert_id} {shard}: checkpoint shape {tuple(loaded.shape)}, expected {expect}")
+        if shard == "w2":
+            self.w2_weight.data[expert_id].copy_(self._tp_slice(loaded, 1))
+        else:
+            off = 0 if shard == "w1" else self.local_inter
+            self.w13_weight.data[expert_id, off : off + self.local_inter].copy_(self._tp_slice(loaded, 0))
+
+    def load_fused_weight(self, loaded: torch.Tensor, name: str) -> None:
+        """`gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I]."""
+        e_, n, i = self.num_experts, self.hidden_size, self.intermediate_size
+        expect = (e_, 2 * i, n) if name == "gate_up_proj" else (e_, n, i)
+        if tuple(loaded.shape) != expect:  # per-expert checks alone miss a wrong expert count
+            raise ValueError(f"fused experts {name}: checkpoint shape {tuple(loaded.shape)}, expected {expect}")
+        for e in range(self.num_experts):
+            if name == "gate_up_proj":
+                self.load_expert_weight(loaded[e, : self.intermediate_size], e, "w1")
+                self.load_expert_weight(loaded[e, self.intermediate_size :], e, "w3")
+            else:
+                self.load_expert_weight(loaded[e], e, "w2")
+
+    def forward(self, hidden_states: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+        d = self.dispatcher.dispatch(hidden_states, topk)
+        out = fused_experts_native(
+            d.hidden_states, self.w13_weight, self.w2_weight, d.topk.topk_weights, d.topk.topk_ids,
+            self.expert_offset)
+        return self.dispatcher.combine(out, d)

@@ -1,0 +1,95 @@
+"""Typed messages between the tokenizer manager, the scheduler and the detokenizer.
+
+One small dataclass per message; outputs carry deltas (new tokens / new text), not whole requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # first prompt position whose logprob is returned; -1 = none
+    top_logprobs_num: int = 0
+    stream: bool = False
+    input_text: str | None = None
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetLoadReq:
+    pass
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    kv_available_tokens: int
+    cache_hit_rate: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class ReqOutput:
+    """What one scheduler step produced for one request (a delta)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished_reason: dict | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_token_logprobs: list[float] | None = None
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    input_token_logprobs: list[float] | None = None  # sent once, with the first output
+    input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # Decoding settings the detokenizer needs (sent with every delta; small).
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+
+@dataclass
+class BatchTokenIDOut:
+    outputs: list[ReqOutput] = field(default_factory=list)
+
+
+@dataclass
+class StrOutput:
+    rid: str
+    text_delta: str
+    token_ids_delta: list[int]
+    finished_reason: dict | None
+    meta: dict[str, Any]
+
+
+@dataclass
+class BatchStrOut:
+    outputs: list[StrOutput] = field(default_factory=list)

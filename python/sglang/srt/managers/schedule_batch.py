@@ -1,0 +1,184 @@
+"""Requests and batches as the scheduler sees them, and their lowering to a ForwardBatch.
+
+KV bookkeeping of a request:
+- `prefix_indices`: slots of the cached prefix owned by the prefix cache (locked via `last_node`);
+- `kv_committed_len`: how many of `kv_token_ids()` have KV in `req_to_token[req_pool_idx]`.
+  Positions [len(prefix_indices), kv_committed_len) are slots the request allocated itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+class BaseFinishReason:
+    def to_json(self) -> dict:
+        raise NotImplementedError
+
+
+@dataclass
+class FINISH_MATCHED_TOKEN(BaseFinishReason):
+    matched: int
+
+    def to_json(self) -> dict:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass
+class FINISH_MATCHED_STR(BaseFinishReason):
+    matched: str
+
+    def to_json(self) -> dict:
+        return {"type": "stop", "matched": self.matched}
+
+
+@dataclass
+class FINISH_LENGTH(BaseFinishReason):
+    length: int
+
+    def to_json(self) -> dict:
+        return {"type": "length", "length": self.length}
+
+
+@dataclass
+class FINISH_ABORT(BaseFinishReason):
+    message: str = "aborted"
+    status_code: int = 400
+
+    def to_json(self) -> dict:
+        return {"type": "abort", "message": self.message, "status_code": self.status_code}
+
+
+class Req:
+    def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
+                 return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 stream: bool = False) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(origin_input_ids)
+        self.sampling_params = sampling_params
+        self.output_ids: list[int] = []
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.stream = stream
+
+        self.req_pool_idx: int | None = None
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.kv_committed_len = 0
+        self.extend_input_len = 0  # tokens in the current extend step
+        self.is_chunked = False  # prefill not finished (more chunks to come)
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
+        self.finished_reason: BaseFinishReason | None = None
+        self.to_abort: str | None = None
+
+        self.input_token_logprobs: list[float] | None = None
+        self.input_top_logprobs: list | None = None
+        self.input_logprobs_sent = False
+        self.pending_logprobs: list[float] = []
+        self.pending_top_logprobs: list = []
+        self.created_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.admitted = False
+
+    # The tokens whose KV this request can hold: the prompt, then outputs (the last output
+    # token gets KV only when it is fed back in the next decode step).
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def kv_token_ids(self) -> list[int]:
+        return self.fill_ids()
+
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def max_prefix_len(self) -> int:
+        """Longest cache hit allowed: one token must be computed to get logits; input logprobs
+        must be computed from their start position on."""
+        n = len(self.fill_ids()) - 1
+        if self.return_logprob and self.logprob_start_len >= 0:
+            # The logprob of token p comes from the logits at p - 1, which must be computed.
+            n = min(n, max(self.logprob_start_len - 1, 0))
+        return max(n, 0)
+
+    def reset_for_retract(self) -> None:
+        self.req_pool_idx = None
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.kv_committed_len = 0
+        self.is_chunked = False
+
+    def check_finished(self, eos_token_ids: set[int], tokenizer=None) -> None:
+        if self.finished():
+            return
+        if self.to_abort is not None:
+            self.finished_reason = FINISH_ABORT(self.to_abort)
+            return
+        sp = self.sampling_params
+        if not self.output_ids:
+            return
+        last = self.output_ids[-1]
+        n_out = len(self.output_ids)
+        if n_out >= sp.min_new_tokens:
+            if sp.stop_token_ids and last in sp.stop_token_ids:
+                self.finished_reason = FINISH_MATCHED_TOKEN(last)
+                return
+            if not sp.ignore_eos and last in eos_token_ids:
+                self.finished_reason = FINISH_MATCHED_TOKEN(last)
+                return
+            if sp.stop_strs and tokenizer is not None:
+                window = getattr(sp, "stop_str_max_len", 0) or 0
+                tail = tokenizer.decode(self.output_ids[-(window + 1):] if window else self.output_ids)
+                for s in sp.stop_strs:
+                    if s and s in tail:
+                        self.finished_reason = FINISH_MATCHED_STR(s)
+                        return
+        if n_out >= sp.max_new_tokens:
+            self.finished_reason = FINISH_LENGTH(sp.max_new_tokens)
+
+
+class ScheduleBatch:
+    """A list of requests plus how to lower them to one forward."""
+
+    def __init__(self, reqs: list[Req], forward_mode: ForwardMode) -> None:
+        self.reqs = reqs
+        self.forward_mode = forward_mode
+        self.prefix_lens: list[int] = []
+        self.extend_lens: list[int] = []
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def build_forward_batch(self, input_ids: list[int], out_cache_loc: torch.Tensor, device: str,
+                            sampling_info=None) -> ForwardBatch:
+        return_logprob = any(r.return_logprob for r in self.reqs)
+        start_lens = []
+        for r, pl in zip(self.reqs, self.prefix_lens):
+            # First row (within this extend) whose logits score an input token: token p is
+            # scored by row p - 1. Earlier chunks already covered rows before this chunk.
+            if r.return_logprob and r.logprob_start_len >= 0 and not r.output_ids:
+                start_lens.append(max(max(r.logprob_start_len, 1) - 1 - pl, 0))
+            else:
+                start_lens.append(-1)
+        return ForwardBatch.build(
+            self.forward_mode,
+            input_ids,
+            [r.req_pool_idx for r in self.reqs],
+            self.prefix_lens,
+            self.extend_lens,
+            out_cache_loc,
+            device=device,
+            return_logprob=return_logprob,
+            logprob_start_lens_cpu=start_lens,
+            top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
+            sampling_info=sampling_info,
+        )

@@ -1,0 +1,396 @@
+"""Scheduler: continuous batching over the model runner, with a prefix cache.
+
+Each `step()` either runs a prefill (extend) batch of newly admitted requests -- optionally with
+the running decode requests mixed in -- or one decode step of the running requests. Requests
+that cannot get KV wait; a decode step that runs out of KV retracts requests back to the queue.
+The same class runs in-process (the offline Engine) and inside the scheduler process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
+from sglang.srt.managers.io_struct import (
+    FlushCacheReqOutput,
+    ReqOutput,
+    SchedulerStats,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting_queue
+from sglang.srt.mem_cache.base_prefix_cache import ChunkCache
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None, tokenizer=None,
+                 tp_group: GroupCoordinator = SINGLE_GROUP) -> None:
+        self.server_args = server_args
+        self.model_config = model_config or ModelConfig(
+            server_args.model_path, server_args.dtype, server_args.context_length,
+            server_args.json_model_override_args, server_args.trust_remote_code)
+        torch.manual_seed(server_args.random_seed)
+        self.tokenizer = tokenizer
+        self.model_runner = ModelRunner(self.model_config, server_args, tp_group)
+        mr = self.model_runner
+        self.device = server_args.device
+        self.page_size = server_args.page_size
+        self.req_to_token_pool = mr.req_to_token_pool
+        self.allocator = mr.token_to_kv_pool_allocator
+        self.max_total_num_tokens = mr.max_total_num_tokens
+        self.max_running_requests = mr.max_running_requests
+        self.context_len = self.model_config.context_len
+        cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
+        self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.page_size)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.vocab_size = self.model_config.vocab_size
+
+        self.waiting_queue: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self.forward_ct = 0
+
+    # -- requests -----------------------------------------------------------------------------------
+    def validate_request_len(self, num_input: int, max_new_tokens: int) -> str | None:
+        if num_input == 0:
+            return "the prompt is empty"
+        if num_input + max_new_tokens > self.context_len:
+            return (f"this model's maximum context length is {self.context_len} tokens; the request has "
+                    f"{num_input} prompt tokens and asks for {max_new_tokens} new tokens")
+        if num_input + 1 > self.max_total_num_tokens - self.page_size:
+            return (f"the prompt ({num_input} tokens) cannot fit in the KV cache "
+                    f"({self.max_total_num_tokens} tokens)")
+        return None
+
+    def add_request(self, recv: TokenizedGenerateReqInput) -> list[ReqOutput]:
+        sp = recv.sampling_params
+        if sp.max_new_tokens is None:  # upstream: bounded only by the context length
+            sp.max_new_tokens = max(self.context_len - len(recv.input_ids), 0)
+        req = Req(recv.rid, recv.input_ids, sp, recv.return_logprob, recv.logprob_start_len,
+                  recv.top_logprobs_num, recv.stream)
+        error = self.validate_request_len(len(req.origin_input_ids), sp.max_new_tokens)
+        if error is not None:
+            req.finished_reason = FINISH_ABORT(error, 400)
+            return [self._make_output(req, [])]
+        self.waiting_queue.append(req)
+        return []
+
+    def abort_request(self, rid: str) -> list[ReqOutput]:
+        for i, req in enumerate(self.waiting_queue):
+            if req.rid == rid:
+                del self.waiting_queue[i]
+                req.finished_reason = FINISH_ABORT("aborted by client")
+                self._release_if_held(req)
+                return [self._make_output(req, [])]
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+            if req.rid == rid:
+                req.to_abort = "aborted by client"
+        return []
+
+    def _release_if_held(self, req: Req) -> None:
+        if req.req_pool_idx is not None:
+            self.tree_cache.cache_finished_req(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting_queue or self.running or self.chunked_req)
+
+    # -- one step -------------------------------------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        outputs = self._drain_aborts()
+        batch = self._get_new_batch_prefill()
+        if batch is None and self.running:
+            batch = self._prepare_decode()
+        if batch is None:
+            return outputs
+        outputs += self._run_batch(batch)
+        return outputs
+
+    def _drain_aborts(self) -> list[ReqOutput]:
+        outs = []
+        for req in [r for r in self.running if r.to_abort]:
+            self.running.remove(req)
+            req.finished_reason = FINISH_ABORT(req.to_abort)
+            self.tree_cache.cache_finished_req(req)
+            outs.append(self._make_output(req, []))
+        if self.chunked_req is not None and self.chunked_req.to_abort:
+            req, self.chunked_req = self.chunked_req, None
+            req.finished_reason = FINISH_ABORT(req.to_abort)
+            self.tree_cache.cache_finished_req(req)
+            outs.append(self._make_output(req, []))
+        return outs
+
+    # -- prefill admission ----------------------------------------------------------------------------
+    def _reserved_for_running(self) -> int:
+        return sum(int(max(r.sampling_params.max_new_tokens - len(r.output_ids), 0) * self.new_token_ratio)
+                   for r in self.running)
+
+    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running_slots = self.max_running_requests - len(self.running)
+        if running_slots <= 0 and self.chunked_req is None:
+            return None
+        reserved = self._reserved_for_running()
+        sa = self.server_args
+        adder = PrefillAdder(
+            lambda: self.allocator.available_size() + self.tree_cache.evictable_size() - reserved,
+            sa.max_prefill_tokens,
+            sa.chunked_prefill_size if sa.chunked_prefill_size > 0 else None,
+            self.page_size,
+            max(running_slots, 1),
+        )
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            remaining = len(req.fill_ids()) - req.kv_committed_len
+            if not adder.add(req, remaining, 0):
+                return None  # not even the chunk fits: let decode free memory first
+            self.chunked_req = None
+        self.waiting_queue = order_waiting_queue(self.waiting_queue, sa.schedule_policy, self.tree_cache)
+        admitted: list[Req] = []
+        for req in self.waiting_queue:
+            if adder.budget_full() or len(admitted) >= self.req_to_token_pool.available_size():
+                break
+            fill = req.fill_ids()
+            match = self.tree_cache.match_prefix(fill[: req.max_prefix_len()])
+            self.tree_cache.inc_lock_ref(match.last_node)
+            reserve = int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0) * self.new_token_ratio)
+            if not adder.add(req, len(fill) - len(match.device_indices), reserve):
+                self.tree_cache.dec_lock_ref(match.last_node)
+                break
+            req.prefix_indices, req.last_node = match.device_indices, match.last_node
+            req.kv_committed_len = len(match.device_indices)
+            if not req.admitted:
+                req.admitted = True
+                req.cached_tokens = len(match.device_indices)
+                self.num_prompt_tokens += len(req.origin_input_ids)
+                self.num_cached_tokens += req.cached_tokens
+            admitted.append(req)
+        admitted_ids = {id(r) for r in admitted}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted_ids]
+        if not adder.can_run:
+            return None
+        reqs = adder.can_run
+        mode = ForwardMode.EXTEND
+        if sa.enable_mixed_chunk and self.running:
+            mode = ForwardMode.MIXED
+        return self._prepare_extend(reqs, mode)
+
+    def _prepare_extend(self, reqs: list[Req], mode: ForwardMode) -> ScheduleBatch | None:
+        r2t = self.req_to_token_pool
+        for req in reqs:
+            if req.req_pool_idx is None:
+                req.req_pool_idx = r2t.alloc(1)[0]
+                if len(req.prefix_indices):
+                    r2t.write(req.req_pool_idx, 0, req.prefix_indices)
+        decode_reqs = [r for r in self.running if r.output_ids] if mode == ForwardMode.MIXED else []
+        batch = ScheduleBatch(reqs + decode_reqs, mode)
+        batch.prefix_lens = [r.kv_committed_len for r in reqs] + [r.kv_committed_len for r in decode_reqs]
+        batch.extend_lens = [r.extend_input_len for r in reqs] + [1] * len(decode_reqs)
+        if not self._alloc_batch_kv(batch):
+            for req in reqs:  # cannot happen when admission is right; undo and retry later
+                self._release_if_held(req)
+                req.reset_for_retract()
+                self.waiting_queue.insert(0, req)
+            return None
+        return batch
+
+    # -- decode -----------------------------------------------------------------------------------------
+    def _prepare_decode(self) -> ScheduleBatch | None:
+        self._ensure_decode_memory()
+        if not self.running:
+            return None
+        batch = ScheduleBatch(list(self.running), ForwardMode.DECODE)
+        batch.prefix_lens = [r.kv_committed_len for r in batch.reqs]
+        batch.extend_lens = [1] * len(batch.reqs)
+        if not self._alloc_batch_kv(batch):
+            raise RuntimeError("decode KV allocation failed after retraction")
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        return batch
+
+    def _decode_pages_needed(self) -> int:
+        return sum(1 for r in self.running if r.kv_committed_len % self.page_size == 0) * self.page_size
+
+    def _ensure_decode_memory(self) -> None:
+        need = self._decode_pages_needed()
+        if self.allocator.available_size() < need:
+            self.tree_cache.evict(need - self.allocator.available_size())
+        retracted = 0
+        while self.running and self.allocator.available_size() < self._decode_pages_needed():
+            victims = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+            victim = victims[0]
+            self.running.remove(victim)
+            self.tree_cache.cache_finished_req(victim)
+            victim.reset_for_retract()
+            self.waiting_queue.insert(0, victim)
+            retracted += 1
+            need = self._decode_pages_needed()
+            if self.allocator.available_size() < need:
+                self.tree_cache.evict(need - self.allocator.available_size())
+        if retracted:
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+            logger.warning("KV cache full: retracted %d request(s) back to the queue", retracted)
+
+    def _alloc_batch_kv(self, batch: ScheduleBatch) -> bool:
+        r2t = self.req_to_token_pool.req_to_token
+        seq_lens = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
+        last_locs = [int(r2t[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(batch.reqs, batch.prefix_lens)]
+        out = self.allocator.alloc_extend(batch.prefix_lens, seq_lens, last_locs)
+        if out is None:
+            need = sum(batch.extend_lens) + self.page_size * len(batch.reqs)
+            self.tree_cache.evict(need)
+            out = self.allocator.alloc_extend(batch.prefix_lens, seq_lens, last_locs)
+            if out is None:
+                return False
+        off = 0
+        input_ids: list[int] = []
+        for req, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            self.req_to_token_pool.write(req.req_pool_idx, p, out[off : off + e])
+            input_ids.extend(req.fill_ids()[p : p + e])
+            off += e
+        batch.input_ids = input_ids
+        batch.out_cache_loc = out
+        return True
+
+    # -- run + results ----------------------------------------------------------------------------------
+    def _sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
+        return SamplingBatchInfo.from_params(
+            [r.sampling_params for r in reqs], self.vocab_size, self.device,
+            output_ids=[r.output_ids for r in reqs], seeds_step=[len(r.output_ids) for r in reqs],
+            eos_token_ids=self.eos_token_ids)
+
+    def _run_batch(self, batch: ScheduleBatch) -> list[ReqOutput]:
+        fb = batch.build_forward_batch(batch.input_ids, batch.out_cache_loc, self.device,
+                                       self._sampling_info(batch.reqs))
+        logits_output = self.model_runner.forward(fb)
+        sample = self.model_runner.sample(logits_output, fb)
+        self.forward_ct += 1
+        return self._process_batch_result(batch, fb, logits_output, sample)
+
+    def _process_batch_result(self, batch: ScheduleBatch, fb, logits_output, sample) -> list[ReqOutput]:
+        outputs: list[ReqOutput] = []
+        next_ids = sample.next_token_ids.tolist()
+        lp_offset = 0
+        now = time.monotonic()
+        for i, req in enumerate(batch.reqs):
+            req.kv_committed_len = batch.prefix_lens[i] + batch.extend_lens[i]
+            lp_offset = self._collect_input_logprobs(req, fb, logits_output, i, lp_offset)
+            if req.is_chunked and len(req.fill_ids()) > req.kv_committed_len:
+                self.tree_cache.cache_unfinished_req(req)
+                self.chunked_req = req
+                continue
+            req.is_chunked = False
+            req.output_ids.append(next_ids[i])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.return_logprob and sample.next_token_logprobs is not None:
+                req.pending_logprobs.append(float(sample.next_token_logprobs[i]))
+                if req.top_logprobs_num and sample.top_logprobs is not None:
+                    vals, ids = sample.top_logprobs[i]
+                    req.pending_top_logprobs.append(list(zip(vals, ids)))
+            req.check_finished(self.eos_token_ids, self.tokenizer)
+            if req not in self.running and not req.finished():
+                self.running.append(req)
+            if req.finished():
+                if req in self.running:
+                    self.running.remove(req)
+                self.tree_cache.cache_finished_req(req)
+            outputs.append(self._make_output(req, [next_ids[i]]))
+        return outputs
+
+    def _collect_input_logprobs(self, req: Req, fb, logits_output, i: int, offset: int) -> int:
+        if not (fb.return_logprob and fb.logprob_start_lens_cpu and fb.logprob_start_lens_cpu[i] >= 0):
+            return offset
+        e = fb.extend_seq_lens_cpu[i]
+        n = max(e - 1 - fb.logprob_start_lens_cpu[i], 0)
+        if req.input_token_logprobs is None:
+            req.input_token_logprobs, req.input_top_logprobs = [], []
+        req.input_token_logprobs += logits_output.input_token_logprobs[offset : offset + n].tolist()
+        if logits_output.input_top_logprobs_val is not None:
+            vals, idx = logits_output.input_top_logprobs_val[i], logits_output.input_top_logprobs_idx[i]
+            req.input_top_logprobs += [list(zip(v, t)) for v, t in zip(vals, idx)]
+        fill = req.fill_ids()
+        end = fb.extend_prefix_lens_cpu[i] + e
+        if end < len(req.origin_input_ids):
+            # Chunk boundary: the chunk's last row scores the next chunk's first token.
+            lp = torch.log_softmax(logits_output.next_token_logits[i], dim=-1)
+            req.input_token_logprobs.append(float(lp[fill[end]]))
+            if req.top_logprobs_num:
+                v, t = lp.topk(req.top_logprobs_num)
+                req.input_top_logprobs.append(list(zip(v.tolist(), t.tolist())))
+        return offset + n
+
+    def _make_output(self, req: Req, new_ids: list[int]) -> ReqOutput:
+        sp = req.sampling_params
+        out = ReqOutput(
+            rid=req.rid,
+            new_token_ids=new_ids,
+            finished_reason=req.finished_reason.to_json() if req.finished_reason else None,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+            no_stop_trim=sp.no_stop_trim,
+        )
+        if req.return_logprob:
+            out.output_token_logprobs, req.pending_logprobs = req.pending_logprobs, []
+            out.output_top_logprobs, req.pending_top_logprobs = req.pending_top_logprobs, []
+            if not req.input_logprobs_sent and req.input_token_logprobs is not None and new_ids:
+                out.input_token_logprobs = req.input_token_logprobs
+                out.input_top_logprobs = req.input_top_logprobs
+                req.input_logprobs_sent = True
+        return out
+
+    # -- maintenance ------------------------------------------------------------------------------------
+    def flush_cache(self) -> FlushCacheReqOutput:
+        if self.has_work():
+            return FlushCacheReqOutput(False, "cannot flush the cache while requests are running or waiting")
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+        return FlushCacheReqOutput(True, "cache flushed")
+
+    def kv_leak_report(self) -> str | None:
+        """When idle, every KV page is either free or owned by the prefix cache."""
+        if self.has_work():
+            return None
+        free = self.allocator.available_size()
+        cached = self.tree_cache.total_size() if isinstance(self.tree_cache, RadixCache) else 0
+        if free + cached != self.max_total_num_tokens:
+            return f"KV leak: free {free} + cached {cached} != total {self.max_total_num_tokens}"
+        if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
+            return "request slot leak"
+        return None
+
+    def get_stats(self) -> SchedulerStats:
+        avail = self.allocator.available_size() + self.tree_cache.evictable_size()
+        return SchedulerStats(
+            num_running_reqs=len(self.running) + (1 if self.chunked_req else 0),
+            num_waiting_reqs=len(self.waiting_queue),
+            kv_used_tokens=self.max_total_num_tokens - self.allocator.available_size(),
+            kv_total_tokens=self.max_total_num_tokens,
+            kv_available_tokens=avail,
+            cache_hit_rate=self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+        )

@@ -1,0 +1,110 @@
+"""Paged KV slot allocator.
+
+Slot `i` lives on page `i // page_size`. Page 0 is reserved: padded tokens write there, so
+no real request's KV can be clobbered by padding. With page_size == 1 a page is a slot.
+
+Rules (checked, never silently ignored): a page is handed out at most once until freed; freeing
+a page that is already free is an error (it would let two requests share KV).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang.srt.utils.common import cdiv
+
+
+class KVAllocatorError(RuntimeError):
+    pass
+
+
+class PagedTokenToKVPoolAllocator:
+    def __init__(self, size: int, page_size: int, device: str = "cpu") -> None:
+        if size % page_size:
+            raise ValueError(f"KV pool size {size} must be a multiple of page_size {page_size}")
+        self.size, self.page_size, self.device = size, page_size, device
+        self.num_pages = size // page_size
+        self.clear()
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def clear(self) -> None:
+        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+        self._is_free = torch.ones(self.num_pages + 1, dtype=torch.bool)
+        self._is_free[0] = False
+
+    def available_size(self) -> int:
+        """Free capacity in tokens (whole free pages only)."""
+        return len(self.free_pages) * self.page_size
+
+    def _take_pages(self, n: int) -> torch.Tensor | None:
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({n})")
+        if n > len(self.free_pages):
+            return None
+        pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        self._is_free[pages] = False
+        return pages
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Free the pages holding `indices` (token slots). Callers free whole pages only."""
+        if indices is None or indices.numel() == 0:
+            return
+        pages = torch.unique(indices.to("cpu", torch.int64) // self.page_size)
+        if bool((pages <= 0).any()) or bool((pages > self.num_pages).any()):
+            raise KVAllocatorError(f"freeing out-of-range KV pages {pages[(pages <= 0) | (pages > self.num_pages)].tolist()[:8]}")
+        if bool(self._is_free[pages].any()):
+            raise KVAllocatorError(f"double free of KV pages {pages[self._is_free[pages]].tolist()[:8]}")
+        self._is_free[pages] = True
+        self.free_pages = torch.cat([self.free_pages, pages])
+
+    # -- allocation ----------------------------------------------------------------------------
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """`need_size` fresh slots on whole pages (used with page_size 1, or page-aligned needs)."""
+        pages = self._take_pages(cdiv(need_size, self.page_size))
+        if pages is None:
+            return None
+        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+        return slots[:need_size].to(self.device)
+
+    def alloc_extend(
+        self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]
+    ) -> torch.Tensor | None:
+        """Slots for positions [prefix_len, seq_len) of each request, concatenated.
+
+        A request's tokens first fill the free tail of its last partially used page (the one
+        holding `last_loc`, the slot of position prefix_len - 1), then take new pages.
+        Returns None (and allocates nothing) when there are not enough free pages.
+        """
+        p = self.page_size
+        if len(prefix_lens) != len(seq_lens) or len(seq_lens) != len(last_locs):
+            raise ValueError("alloc_extend needs one prefix_len, seq_len and last_loc per request")
+        if any(s < pl or pl < 0 for pl, s in zip(prefix_lens, seq_lens)):
+            # A negative page count would make _take_pages hand out (almost) all free pages.
+            raise ValueError(f"alloc_extend needs 0 <= prefix_len <= seq_len, got {list(zip(prefix_lens, seq_lens))[:8]}")
+        need = sum(cdiv(s, p) - cdiv(pl, p) for pl, s in zip(prefix_lens, seq_lens))
+        pages = self._take_pages(need)
+        if pages is None:
+            return None
+        out, cursor = [], 0
+        ar = torch.arange(p)
+        for pl, s, last in zip(prefix_lens, seq_lens, last_locs):
+            parts = []
+            if pl % p and s > pl:
+                tail = min(p - pl % p, s - pl)
+                parts.append(torch.arange(last + 1, last + 1 + tail))
+            n_new = cdiv(s, p) - cdiv(pl, p)
+            if n_new:
+                new = (pages[cursor : cursor + n_new, None] * p + ar).reshape(-1)
+                cursor += n_new
+                covered = sum(len(x) for x in parts)
+                parts.append(new[: s - pl - covered])
+            out.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64))
+        return torch.cat(out).to(self.device) if out else torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
+        """One slot per request for position seq_len - 1 (seq_lens include the new token)."""
+        return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_locs)
+
+
+def TokenToKVPoolAllocator(size: int, device: str = "cpu") -> PagedTokenToKVPoolAllocator:
+    return PagedTokenToKVPoolAllocator(size, 1, device)

@@ -1,0 +1,95 @@
+"""The prefix cache seam (radix cache, chunk cache, later the HiCache radix tree).
+
+Rules:
+- `match_prefix(key)` returns the KV slots of the longest cached prefix of `key` (page-aligned)
+  and the node that ends it. The caller must `inc_lock_ref(node)` before relying on the slots
+  and `dec_lock_ref(node)` when done; locked nodes are never evicted.
+- `cache_finished_req(req)` hands a finished request's KV to the cache: slots the cache now
+  owns stay allocated, duplicates and the unaligned tail are freed, the request's lock is
+  released and its request slot freed. After it, the request owns no KV.
+- `cache_unfinished_req(req)` (chunked prefill) inserts the KV computed so far and moves the
+  request's lock to the new, longer prefix.
+- `evict(n)` frees at least `n` tokens of unlocked KV if possible (LRU leaves first).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class MatchResult:
+    device_indices: torch.Tensor  # int64 KV slots of the matched prefix
+    last_node: Any
+
+
+class BasePrefixCache(ABC):
+    @abstractmethod
+    def match_prefix(self, key: list[int]) -> MatchResult: ...
+
+    @abstractmethod
+    def cache_finished_req(self, req) -> None: ...
+
+    @abstractmethod
+    def cache_unfinished_req(self, req) -> None: ...
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int: ...
+
+    @abstractmethod
+    def inc_lock_ref(self, node) -> None: ...
+
+    @abstractmethod
+    def dec_lock_ref(self, node) -> None: ...
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def total_size(self) -> int:
+        return 0
+
+    def reset(self) -> None:
+        pass
+
+    # Shared by the implementations: a request's KV slots for its first n tokens.
+    @staticmethod
+    def req_kv_indices(req, req_to_token_pool, n: int) -> torch.Tensor:
+        return req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(torch.int64).cpu()
+
+
+class ChunkCache(BasePrefixCache):
+    """No reuse across requests (--disable-radix-cache): requests keep their own KV only."""
+
+    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        return MatchResult(torch.empty(0, dtype=torch.int64), None)
+
+    def cache_finished_req(self, req) -> None:
+        kv = self.req_kv_indices(req, self.req_to_token_pool, req.kv_committed_len)
+        self.allocator.free(kv)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+
+    def cache_unfinished_req(self, req) -> None:
+        req.prefix_indices = self.req_kv_indices(req, self.req_to_token_pool, req.kv_committed_len)
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def inc_lock_ref(self, node) -> None:
+        pass
+
+    def dec_lock_ref(self, node) -> None:
+        pass

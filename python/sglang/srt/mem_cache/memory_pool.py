@@ -1,0 +1,187 @@
+"""Device memory pools: request -> token slot map, and the MLA / NSA KV buffers.
+
+Layouts (per layer):
+- MLA: `kv_buffer[layer]` of [size + page_size, 1, kv_lora_rank + qk_rope_head_dim] in the model
+  dtype (latent then rope part, as upstream SGLang stores it).
+- NSA index K: `index_k_with_scale_buffer[buffer]` of uint8 [num_pages + 1, page_size * bytes/token]:
+  a page holds its tokens' K data first (FP8: D bytes/token; exact modes: D * itemsize), then, for
+  FP8 only, the tokens' fp32 scales (one per 128 values). With D = 128 and FP8 this is upstream's
+  [num_pages, page_size * (128 + 4)], so HiCache and transfers can move index K page by page.
+Slot 0..page_size-1 (page 0) is the padding page.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang.srt.layers.attention.nsa.quant import (
+    dequantize_fp8_per_block,
+    num_scale_blocks,
+    quantize_fp8_per_block,
+)
+
+INDEX_K_DTYPES = {"fp8_e4m3": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class ReqToTokenPool:
+    """Maps (request slot, position) -> KV slot index."""
+
+    def __init__(self, size: int, max_context_len: int, device: str = "cpu") -> None:
+        self.size, self.max_context_len, self.device = size, max_context_len, device
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.free_slots = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int) -> list[int] | None:
+        if need_size > len(self.free_slots):
+            return None
+        out, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        return out
+
+    def free(self, idx: int | list[int]) -> None:
+        idxs = [idx] if isinstance(idx, int) else list(idx)
+        if len(set(idxs)) != len(idxs):
+            raise RuntimeError(f"double free of request slots {sorted(i for i in set(idxs) if idxs.count(i) > 1)}")
+        if any(not 0 <= i < self.size for i in idxs):
+            raise RuntimeError(f"freeing out-of-range request slots {[i for i in idxs if not 0 <= i < self.size]}")
+        if set(idxs) & set(self.free_slots):
+            raise RuntimeError(f"double free of request slots {sorted(set(idxs) & set(self.free_slots))}")
+        self.free_slots.extend(idxs)
+
+    def write(self, req_idx: int, start: int, values: torch.Tensor) -> None:
+        self.req_to_token[req_idx, start : start + values.numel()] = values.to(self.req_to_token.device)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+
+class MLATokenToKVPool:
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str = "cpu",
+    ) -> None:
+        self.size, self.page_size, self.dtype, self.device = size, page_size, dtype, device
+        self.kv_lora_rank, self.qk_rope_head_dim, self.layer_num = kv_lora_rank, qk_rope_head_dim, layer_num
+        self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
+        self.kv_buffer = [
+            torch.zeros((size + page_size, 1, self.kv_cache_dim), dtype=dtype, device=device)
+            for _ in range(layer_num)
+        ]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffer[layer_id]
+
+    def set_mla_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
+    ) -> None:
+        buf = self.kv_buffer[layer_id]
+        buf[loc, 0, : self.kv_lora_rank] = latent.to(self.dtype)
+        buf[loc, 0, self.kv_lora_rank :] = k_rope.to(self.dtype)
+
+    def get_mla_kv(self, layer_id: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(latent [..., kv_lora_rank], k_rope [..., rope]) for slots `loc` of any shape."""
+        kv = self.kv_buffer[layer_id][loc, 0]
+        return kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank :]
+
+    def kv_bytes_per_token(self) -> int:
+        return self.layer_num * self.kv_cache_dim * self.dtype.itemsize
+
+    def get_kv_size_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.kv_buffer)
+
+
+class NSATokenToKVPool(MLATokenToKVPool):
+    """MLA pool plus the DSA indexer's K cache, allocated only for layers that run the indexer."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        index_head_dim: int,
+        index_k_dtype: str = "fp8_e4m3",
+        index_layer_ids: list[int] | None = None,
+        device: str = "cpu",
+    ) -> None:
+        super().__init__(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device)
+        if index_k_dtype not in INDEX_K_DTYPES:
+            raise ValueError(f"index_k_dtype {index_k_dtype!r} not in {sorted(INDEX_K_DTYPES)}")
+        self.index_head_dim, self.index_k_dtype = index_head_dim, index_k_dtype
+        self.is_fp8 = index_k_dtype == "fp8_e4m3"
+        self._data_dtype = torch.float8_e4m3fn if self.is_fp8 else INDEX_K_DTYPES[index_k_dtype]
+        self.num_scales = num_scale_blocks(index_head_dim) if self.is_fp8 else 0
+        self.data_bytes_per_token = index_head_dim * self._data_dtype.itemsize
+        self.index_bytes_per_token = self.data_bytes_per_token + 4 * self.num_scales
+        if self.index_bytes_per_token % 4:
+            raise ValueError(f"index_head_dim {index_head_dim} gives a per-token size not a multiple of 4 bytes")
+        # Logical layer id -> index buffer slot; layers that reuse another layer's top-k get none.
+        self.index_layer_ids = list(range(layer_num)) if index_layer_ids is None else sorted(index_layer_ids)
+        bad = [i for i in self.index_layer_ids if not 0 <= i < layer_num]
+        if bad:
+            raise ValueError(f"index layer ids {bad} outside [0, {layer_num})")
+        if len(set(self.index_layer_ids)) != len(self.index_layer_ids):
+            raise ValueError(f"duplicate index layer ids in {self.index_layer_ids}")
+        self.index_layer_map = {lid: j for j, lid in enumerate(self.index_layer_ids)}
+        num_pages = size // page_size + 1
+        self.index_k_with_scale_buffer = [
+            torch.zeros((num_pages, page_size * self.index_bytes_per_token), dtype=torch.uint8, device=device)
+            for _ in self.index_layer_ids
+        ]
+
+    def index_buffer_id(self, layer_id: int) -> int:
+        try:
+            return self.index_layer_map[layer_id]
+        except KeyError:
+            raise KeyError(
+                f"layer {layer_id} has no index-K buffer (index layers: {self.index_layer_ids}); "
+                "a shared IndexCache layer must not read or write indexer K"
+            ) from None
+
+    def _views(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Typed [num_pages, page_size, D] data view and [num_pages, page_size, ns] scale view."""
+        buf = self.index_k_with_scale_buffer[self.index_buffer_id(layer_id)]
+        p, d, npg = self.page_size, self.index_head_dim, buf.shape[0]
+        row = buf.shape[1]
+        isz = self._data_dtype.itemsize
+        data = buf.view(self._data_dtype).as_strided((npg, p, d), (row // isz, d, 1))
+        if not self.is_fp8:
+            return data, None
+        f32 = buf.view(torch.float32)
+        base = p * self.data_bytes_per_token // 4
+        scales = f32.as_strided((npg, p, self.num_scales), (row // 4, self.num_scales, 1), storage_offset=base)
+        return data, scales
+
+    def set_index_k(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
+        data, scales = self._views(layer_id)
+        page, off = loc // self.page_size, loc % self.page_size
+        if self.is_fp8:
+            q, s = quantize_fp8_per_block(k)
+            data[page, off] = q
+            scales[page, off] = s
+        else:
+            data[page, off] = k.to(self._data_dtype)
+
+    def get_index_k(self, layer_id: int, loc: torch.Tensor) -> torch.Tensor:
+        """Dequantised index K (fp32) for slots `loc` of any shape -> [..., D]."""
+        data, scales = self._views(layer_id)
+        page, off = loc // self.page_size, loc % self.page_size
+        if self.is_fp8:
+            return dequantize_fp8_per_block(data[page, off], scales[page, off])
+        return data[page, off].float()
+
+    def kv_bytes_per_token(self) -> int:
+        return super().kv_bytes_per_token() + len(self.index_layer_ids) * self.index_bytes_per_token
+
+    def get_kv_size_bytes(self) -> int:
+        return super().get_kv_size_bytes() + sum(b.numel() for b in self.index_k_with_scale_buffer)

@@ -1,0 +1,98 @@
+"""ModelRunner: owns the model, the KV pools and the attention backend; runs one forward."""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
+from sglang.srt.layers.attention.nsa.nsa_backend import NativeSparseAttnBackend
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.sampler import Sampler
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, NSATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_loader.loader import get_model
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# CPU has no memory profiler worth trusting for a KV budget: cap the default pool so tests and
+# tiny models do not allocate gigabytes of zeros. --max-total-tokens overrides it.
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+CPU_KV_MEMORY_FRACTION = 0.25
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, server_args: ServerArgs,
+                 tp_group: GroupCoordinator = SINGLE_GROUP) -> None:
+        self.model_config, self.server_args, self.tp_group = model_config, server_args, tp_group
+        self.device = server_args.device
+        self.page_size = server_args.page_size
+        self.model = get_model(model_config, self.device, tp_group)
+        self.sampler = Sampler()
+        self.init_memory_pool()
+        self.attn_backend = NativeSparseAttnBackend(self.token_to_kv_pool, server_args.mla_attn_path)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def _make_kv_pool(self, size: int):
+        mc = self.model_config
+        common = dict(size=size, page_size=self.page_size, dtype=mc.dtype, kv_lora_rank=mc.kv_lora_rank,
+                      qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=mc.num_hidden_layers, device=self.device)
+        if mc.is_dsa:
+            return NSATokenToKVPool(index_head_dim=mc.index_head_dim, index_k_dtype=self.server_args.nsa_index_k_dtype,
+                                    index_layer_ids=self.index_layer_ids(), **common)
+        return MLATokenToKVPool(**common)
+
+    def index_layer_ids(self) -> list[int] | None:
+        """Layers that run the DSA indexer (own an index-K buffer)."""
+        layers = self.model.model.layers
+        return [i for i, layer in enumerate(layers) if layer.self_attn.indexer is not None]
+
+    def _bytes_per_token(self) -> int:
+        probe = self._make_kv_pool(self.page_size)
+        return probe.kv_bytes_per_token()
+
+    def profile_max_num_tokens(self) -> int:
+        per_token = self._bytes_per_token()
+        if self.device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            budget = free - total * (1 - self.server_args.mem_fraction_static)
+            if budget <= 0:
+                raise RuntimeError("not enough GPU memory left for the KV cache; raise --mem-fraction-static")
+            return int(budget // per_token)
+        budget = psutil.virtual_memory().available * CPU_KV_MEMORY_FRACTION
+        return int(min(budget // per_token, CPU_DEFAULT_MAX_TOTAL_TOKENS))
+
+    def init_memory_pool(self) -> None:
+        sa, mc = self.server_args, self.model_config
+        tokens = sa.max_total_tokens or self.profile_max_num_tokens()
+        tokens = tokens // self.page_size * self.page_size
+        if tokens < self.page_size:
+            raise RuntimeError(f"KV cache too small: {tokens} tokens")
+        self.max_total_num_tokens = tokens
+        self.max_running_requests = sa.max_running_requests or min(256, max(1, tokens // 2))
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, mc.context_len + 1, self.device)
+        self.token_to_kv_pool = self._make_kv_pool(tokens)
+        self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(tokens, self.page_size, self.device)
+        kv_gib = self.token_to_kv_pool.get_kv_size_bytes() / 2**30
+        logger.info("KV cache: %d tokens (page size %d, %.3f GiB, %d B/token), max running requests %d",
+                    tokens, self.page_size, kv_gib, self.token_to_kv_pool.kv_bytes_per_token(),
+                    self.max_running_requests)
+
+    # -- forward ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        forward_batch.req_to_token_pool = self.req_to_token_pool
+        forward_batch.token_to_kv_pool = self.token_to_kv_pool
+        forward_batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch):
+        return self.sampler(logits_output.next_token_logits, forward_batch.sampling_info,
+                            forward_batch.return_logprob, forward_batch.top_logprobs_nums)

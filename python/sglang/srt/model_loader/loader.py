@@ -1,0 +1,51 @@
+"""Build a model from its ModelConfig and load HF safetensors into it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+from torch import nn
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
+from sglang.srt.model_loader.weight_utils import (
+    dequantize_fp8_weights,
+    iter_safetensors_weights,
+    read_quant_config,
+)
+from sglang.srt.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def get_model(model_config: ModelConfig, device: str = "cpu", tp_group: GroupCoordinator = SINGLE_GROUP) -> nn.Module:
+    cls = resolve_model_class(model_config.architecture)
+    t0 = time.perf_counter()
+    with default_dtype(model_config.dtype), torch.device(device):
+        model = cls(model_config.hf_config, max_position=model_config.context_len, tp_group=tp_group)
+    skip = getattr(model, "_ignored_weight", lambda name: False)
+    # Drop unused tensors (e.g. the NextN layer) before dequantising them.
+    weights = ((n, t) for n, t in iter_safetensors_weights(model_config.model_path) if not skip(n))
+    quant = read_quant_config(model_config.model_path)
+    if quant is not None:
+        block = tuple(quant.get("weight_block_size", (128, 128)))
+        weights = dequantize_fp8_weights(weights, model_config.dtype, block)
+    model.load_weights((name, t.to(device)) for name, t in weights)
+    model.eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("loaded %s (%.2fM params, %s) in %.1fs", model_config.architecture, n_params / 1e6,
+                model_config.dtype, time.perf_counter() - t0)
+    return model

@@ -1,0 +1,403 @@
+"""DeepSeek-V2/V3 family on one code path: DeepSeek-V3, DeepSeek-V3.2 (DSA) and GLM-5 (GlmMoeDsa).
+
+Per-architecture differences are small and declared on the ForCausalLM subclasses:
+- DeepSeek-V3: dense MLA, no indexer.
+- DeepSeek-V3.2: DSA indexer with half-split ("neox") rope on its rope dims.
+- GLM-5: DSA indexer with interleaved rope; IndexCache layer sharing (issue 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from sglang.srt.configs.model_config import rope_parameters_of
+from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    MergedReplicatedLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.moe.fused_moe import FusedMoE
+from sglang.srt.layers.moe.topk import TopKConfig, select_experts
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, yarn_softmax_scale_multiplier
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_loader.weight_utils import check_weights_complete
+
+logger = logging.getLogger(__name__)
+
+
+class DeepseekV2MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_group: GroupCoordinator = SINGLE_GROUP,
+                 reduce_results: bool = True, dtype=None) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp_group=tp_group,
+                                                       dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results,
+                                           tp_group=tp_group, dtype=dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class MoEGate(nn.Module):
+    """Router: fp32 logits; e_score_correction_bias only biases expert choice."""
+
+    def __init__(self, hidden_size: int, num_experts: int, has_bias: bool, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False) if has_bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight.float())
+
+
+class DeepseekV2MoE(nn.Module):
+    def __init__(self, config, tp_group: GroupCoordinator = SINGLE_GROUP, dtype=None) -> None:
+        super().__init__()
+        self.tp_group = tp_group
+        n_experts = config.n_routed_experts
+        self.topk_config = TopKConfig(
+            top_k=config.num_experts_per_tok,
+            num_experts=n_experts,
+            num_expert_group=getattr(config, "n_group", 1) or 1,
+            topk_group=getattr(config, "topk_group", 1) or 1,
+            renormalize=getattr(config, "norm_topk_prob", True),
+            routed_scaling_factor=getattr(config, "routed_scaling_factor", 1.0) or 1.0,
+            scoring_func=getattr(config, "scoring_func", "sigmoid"),
+        )
+        topk_method = getattr(config, "topk_method", "noaux_tc")
+        self.gate = MoEGate(config.hidden_size, n_experts, has_bias=topk_method == "noaux_tc", dtype=dtype)
+        self.experts = FusedMoE(n_experts, config.hidden_size, config.moe_intermediate_size, tp_group=tp_group,
+                                dtype=dtype)
+        n_shared = getattr(config, "n_shared_experts", 0) or 0
+        self.shared_experts = (
+            DeepseekV2MLP(config.hidden_size, config.moe_intermediate_size * n_shared, tp_group,
+                          reduce_results=False, dtype=dtype) if n_shared else None
+        )
+
+    def forward(self, hidden_states: torch.Tensor, forward_batch: ForwardBatch | None = None) -> torch.Tensor:
+        topk = select_experts(self.gate(hidden_states), self.topk_config, self.gate.e_score_correction_bias)
+        out = self.experts(hidden_states, topk)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)
+        return self.tp_group.all_reduce(out)
+
+
+class DeepseekV2AttentionMLA(nn.Module):
+    def __init__(self, config, layer_id: int, indexer_rope_interleaved: bool, use_indexer: bool,
+                 max_position: int, tp_group: GroupCoordinator = SINGLE_GROUP, dtype=None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        tp = tp_group.world_size
+        if self.num_heads % tp:
+            raise ValueError(f"num_attention_heads {self.num_heads} not divisible by tp size {tp}")
+        self.num_local_heads = self.num_heads // tp
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        bias = getattr(config, "attention_bias", False)
+        rope_params = rope_parameters_of(config)
+
+        if self.q_lora_rank:
+            # q_a_proj and kv_a_proj_with_mqa read the same input: one fused matmul.
+            self.fused_qkv_a_proj_with_mqa = MergedReplicatedLinear(
+                self.hidden_size, [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], bias=bias,
+                dtype=dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=1e-6)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, self.num_heads * self.qk_head_dim,
+                                                 tp_group=tp_group, dtype=dtype)
+        else:
+            self.q_proj = ColumnParallelLinear(self.hidden_size, self.num_heads * self.qk_head_dim,
+                                               tp_group=tp_group, dtype=dtype)
+            self.kv_a_proj_with_mqa = ReplicatedLinear(self.hidden_size, self.kv_lora_rank + self.qk_rope_head_dim,
+                                                       bias=bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
+                                              self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+                                              tp_group=tp_group, dtype=dtype)
+        self.o_proj = RowParallelLinear(self.num_heads * self.v_head_dim, self.hidden_size, bias=bias,
+                                        tp_group=tp_group, dtype=dtype)
+        self.scaling = self.qk_head_dim**-0.5 * yarn_softmax_scale_multiplier(rope_params)
+        mpe = getattr(config, "max_position_embeddings", max_position)
+        self.rotary_emb = RotaryEmbedding(self.qk_rope_head_dim, max_position, rope_params, interleaved=True,
+                                          max_position_embeddings=mpe)
+        self.indexer = None
+        if use_indexer:
+            if not self.q_lora_rank:
+                raise ValueError("the DSA indexer needs q_lora_rank (it reads the q LoRA output)")
+            idx_rope = RotaryEmbedding(self.qk_rope_head_dim, max_position, rope_params,
+                                       interleaved=indexer_rope_interleaved, max_position_embeddings=mpe)
+            self.indexer = Indexer(self.hidden_size, self.q_lora_rank, config.index_n_heads, config.index_head_dim,
+                                   self.qk_rope_head_dim, config.index_topk, layer_id, idx_rope, dtype=dtype)
+        self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_kc [H, nope, kv_lora], w_vc [H, v, kv_lora]) views of kv_b_proj, built after loading."""
+        if self._absorbed is None:
+            w = self.kv_b_proj.weight.view(self.num_local_heads, self.qk_nope_head_dim + self.v_head_dim,
+                                           self.kv_lora_rank)
+            self._absorbed = (w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :])
+        return self._absorbed
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch,
+                prev_topk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = hidden_states.shape[0]
+        if self.q_lora_rank:
+            q_lora, kv_a = self.fused_qkv_a_proj_with_mqa(hidden_states).split(
+                [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
+            q_lora = self.q_a_layernorm(q_lora)
+            q = self.q_b_proj(q_lora)
+        else:
+            q_lora, q = None, self.q_proj(hidden_states)
+            kv_a = self.kv_a_proj_with_mqa(hidden_states)
+        q = q.view(t, self.num_local_heads, self.qk_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        latent, k_rope = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
+
+        topk_indices = prev_topk_indices
+        if self.indexer is not None:
+            topk_indices = self.indexer(hidden_states, q_lora, positions, forward_batch)
+        attn = forward_batch.attn_backend.forward_mla(
+            self, q_nope, q_rope, latent, k_rope, forward_batch, topk_indices=topk_indices)
+        return self.o_proj(attn.reshape(t, self.num_local_heads * self.v_head_dim)), topk_indices
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, arch: "type[DeepseekV2ForCausalLM]", max_position: int,
+                 tp_group: GroupCoordinator = SINGLE_GROUP, dtype=None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = DeepseekV2AttentionMLA(
+            config, layer_id, arch.indexer_rope_interleaved, arch.uses_indexer(config, layer_id), max_position,
+            tp_group, dtype)
+        if is_moe_layer(config, layer_id):
+            self.mlp = DeepseekV2MoE(config, tp_group, dtype)
+        else:
+            self.mlp = DeepseekV2MLP(config.hidden_size, config.intermediate_size, tp_group, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
+                forward_batch: ForwardBatch, prev_topk_indices: torch.Tensor | None = None):
+        """Returns (hidden_states, residual, topk_indices) -- the indices feed the next layer."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, topk_indices = self.self_attn(positions, hidden_states, forward_batch, prev_topk_indices)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        if isinstance(self.mlp, DeepseekV2MoE):
+            hidden_states = self.mlp(hidden_states, forward_batch)
+        else:
+            hidden_states = self.mlp(hidden_states)
+        return hidden_states, residual, topk_indices
+
+
+def is_moe_layer(config, layer_id: int) -> bool:
+    types = getattr(config, "mlp_layer_types", None)
+    if types:
+        return types[layer_id] == "sparse"
+    if not getattr(config, "n_routed_experts", None):
+        return False
+    freq = getattr(config, "moe_layer_freq", 1) or 1
+    return layer_id >= (getattr(config, "first_k_dense_replace", 0) or 0) and layer_id % freq == 0
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, config, arch, max_position: int, tp_group: GroupCoordinator = SINGLE_GROUP,
+                 dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group, dtype=dtype)
+        self.layers = nn.ModuleList([
+            DeepseekV2DecoderLayer(config, i, arch, max_position, tp_group, dtype)
+            for i in range(config.num_hidden_layers)
+        ])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
+                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        residual, topk_indices = None, None
+        for layer in self.layers:
+            hidden_states, residual, topk_indices = layer(positions, hidden_states, residual, forward_batch,
+                                                          topk_indices)
+        if hidden_states.shape[0] == 0:
+            return hidden_states
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# (fused parameter, HF projection, shard id): HF tensors loaded into slices of one fused weight.
+_STACKED = [
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+    ("fused_qkv_a_proj_with_mqa", "q_a_proj", 0),
+    ("fused_qkv_a_proj_with_mqa", "kv_a_proj_with_mqa", 1),
+]
+_FUSED_SHARDS = {fused: [sid for f, _, sid in _STACKED if f == fused] for fused, _, _ in _STACKED}
+
+
+def _checkpoint_name(key: str) -> str:
+    """Bookkeeping key -> the checkpoint tensor name, so load errors name real tensors:
+    "P.experts#3.up_proj" -> "P.experts.3.up_proj.weight", "P.gate_up_proj.weight#1" -> "P.up_proj.weight"."""
+    base, sep, rest = key.partition("#")
+    if not sep:
+        return key
+    if base.endswith(".experts"):
+        return f"{base}.{rest}.weight"
+    prefix, fused, leaf = base.rsplit(".", 2)
+    part = next((p for f, p, sid in _STACKED if f == fused and str(sid) == rest), None)
+    return f"{prefix}.{part}.{leaf}" if part else key
+
+
+def _load_named(name: str, tensor: torch.Tensor, load, *args) -> None:
+    """Run a weight loader; a ValueError that does not name the checkpoint tensor gets its name."""
+    try:
+        load(*args)
+    except ValueError as e:
+        if name in str(e):
+            raise
+        raise ValueError(f"checkpoint tensor {name!r} (shape {tuple(tensor.shape)}): {e}") from e
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    indexer_rope_interleaved = False
+
+    @classmethod
+    def uses_indexer(cls, config, layer_id: int) -> bool:
+        return False
+
+    def __init__(self, config, max_position: int | None = None, tp_group: GroupCoordinator = SINGLE_GROUP,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = config
+        max_position = max_position or config.max_position_embeddings
+        self.model = DeepseekV2Model(config, type(self), max_position, tp_group, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group, dtype=dtype)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.num_layers = config.num_hidden_layers
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    # -- weights ------------------------------------------------------------------------------
+    def _ignored_weight(self, name: str) -> bool:
+        """Checkpoint tensors this model does not use: the NextN/MTP layers, rotary caches."""
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= self.num_layers:
+            return True
+        return name.endswith("rotary_emb.inv_freq")
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; one error lists every missing and unexpected name."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()  # parameter names, or "name#shard" for stacked / expert parts
+        unexpected: set[str] = set()
+        for name, tensor in weights:
+            if self._ignored_weight(name):
+                continue
+            m = _EXPERT_RE.match(name)
+            if m and f"{m.group(1)}.w13_weight" in params:
+                moe: FusedMoE = self.get_submodule(m.group(1))
+                eid = int(m.group(2))
+                if eid >= moe.num_experts:
+                    unexpected.add(name)
+                    continue
+                _load_named(name, tensor, moe.load_expert_weight, tensor, eid, _SHARD[m.group(3)])
+                loaded.add(f"{m.group(1)}#{eid}.{m.group(3)}")
+                continue
+            m = _FUSED_EXPERT_RE.match(name)
+            if m and f"{m.group(1)}.w13_weight" in params:
+                moe = self.get_submodule(m.group(1))
+                _load_named(name, tensor, moe.load_fused_weight, tensor, m.group(2))
+                kinds = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
+                loaded.update(f"{m.group(1)}#{e}.{k}" for e in range(moe.num_experts) for k in kinds)
+                continue
+            target, shard_id = name, None
+            for fused, part, sid in _STACKED:
+                if f".{part}." in name and name.replace(f".{part}.", f".{fused}.") in params:
+                    target, shard_id = name.replace(f".{part}.", f".{fused}."), sid
+                    break
+            param = params.get(target)
+            if param is None:
+                unexpected.add(name)
+                continue
+            param.hf_name = name
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            if shard_id is None:
+                _load_named(name, tensor, loader, param, tensor)
+                loaded.add(target)
+            else:
+                _load_named(name, tensor, loader, param, tensor, shard_id)
+                loaded.add(f"{target}#{shard_id}")
+        check_weights_complete({_checkpoint_name(k) for k in self._expected_weight_keys()},
+                               {_checkpoint_name(k) for k in loaded}, unexpected)
+        self.post_load_weights()
+
+    def _expected_weight_keys(self) -> set[str]:
+        keys: set[str] = set()
+        for name, _ in self.named_parameters():
+            if name.endswith(".w13_weight") or name.endswith(".w2_weight"):
+                prefix = name.rsplit(".", 1)[0]
+                moe: FusedMoE = self.get_submodule(prefix)
+                kinds = ("gate_proj", "up_proj") if name.endswith(".w13_weight") else ("down_proj",)
+                keys.update(f"{prefix}#{e}.{k}" for e in range(moe.num_experts) for k in kinds)
+            elif name.split(".")[-2] in _FUSED_SHARDS:
+                keys.update(f"{name}#{sid}" for sid in _FUSED_SHARDS[name.split(".")[-2]])
+            else:
+                keys.add(name)
+        return keys
+
+    def post_load_weights(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn._absorbed = None
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    pass
+
+
+class DeepseekV32ForCausalLM(DeepseekV2ForCausalLM):
+    indexer_rope_interleaved = False
+
+    @classmethod
+    def uses_indexer(cls, config, layer_id: int) -> bool:
+        return True
+
+
+class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
+    indexer_rope_interleaved = True
+
+
+EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM]

@@ -1,0 +1,224 @@
+"""Per-request sampling parameters (names and defaults follow upstream SGLang).
+
+Lifecycle: `SamplingParams.from_dict(request_json)` -> `normalize(tokenizer)` -> `verify(vocab_size)`.
+The object keeps the user's values as given (temperature 0 stays 0 here); the greedy rewrite
+(temperature < 1e-6 -> top_k = 1 semantics) happens in `SamplingBatchInfo`, so `to_dict()` reports
+what the client sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Below this temperature a request is greedy (argmax); dividing by it would overflow anyway.
+SAMPLING_EPS = 1e-6
+# top_k value meaning "no top-k filtering".
+TOP_K_ALL = -1
+
+
+@dataclass
+class SamplingParams:
+    # None = limited only by the context length (upstream semantics).
+    max_new_tokens: int | None = 128
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = TOP_K_ALL
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    sampling_seed: int | None = None
+    no_stop_trim: bool = False
+    logit_bias: dict[str | int, float] | None = None
+    # Derived by normalize(): longest stop string, in tokens (chars without a tokenizer); the
+    # detokenizer holds back this much text before streaming so a stop string is never leaked.
+    stop_str_max_len: int = field(default=0, init=False, repr=False, compare=False)
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        """Build from a request dict. Unknown keys raise ValueError (typos must not be silently
+        ignored); `seed` is accepted as an alias of `sampling_seed`; JSON null means "default"."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+        d = dict(d)
+        if "seed" in d:
+            seed = d.pop("seed")
+            if d.get("sampling_seed") is not None and seed is not None and d["sampling_seed"] != seed:
+                raise ValueError("sampling_params: 'seed' and 'sampling_seed' are both given and differ")
+            if d.get("sampling_seed") is None:
+                d["sampling_seed"] = seed
+        names = cls.field_names()
+        unknown = sorted(k for k in d if k not in names)
+        if unknown:
+            raise ValueError(f"sampling_params: unknown parameter(s) {', '.join(map(repr, unknown))}; "
+                             f"allowed: {', '.join(names)} (and 'seed')")
+        defaults = cls()
+        kwargs = {}
+        for k, v in d.items():
+            # null keeps the default, except where None is itself a meaningful value.
+            kwargs[k] = getattr(defaults, k) if v is None and getattr(defaults, k) is not None else v
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The constructor fields only, so that from_dict(p.to_dict()) == p."""
+        out = {}
+        for name in self.field_names():
+            v = getattr(self, name)
+            out[name] = list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+        return out
+
+    # -- normalisation ------------------------------------------------------------------------
+    @property
+    def stop_strs(self) -> list[str]:
+        """Upstream's name for the normalised stop list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def normalize(self, tokenizer: Any = None) -> None:
+        """Canonicalise in place: stop -> list[str], stop_token_ids -> de-duplicated list[int],
+        logit_bias keys -> int; compute stop_str_max_len (tokens with a tokenizer, else chars)."""
+        if self.stop is None or self.stop == "":
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        max_len = 0
+        for s in self.stop:
+            if not isinstance(s, str):
+                continue  # verify() reports it
+            if tokenizer is not None:
+                max_len = max(max_len, len(tokenizer.encode(s, add_special_tokens=False)))
+            else:
+                max_len = max(max_len, len(s))
+        self.stop_str_max_len = max_len
+
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        if self.logit_bias:
+            # OpenAI sends token ids as JSON object keys, i.e. strings.
+            norm: dict[str | int, float] = {}
+            for k, v in self.logit_bias.items():
+                key = _as_token_id(k)
+                norm[key if key is not None else k] = v
+            self.logit_bias = norm
+
+    # -- validation ---------------------------------------------------------------------------
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the parameter and its allowed range for the first bad value."""
+        _check_int("max_new_tokens", self.max_new_tokens, allow_none=True)
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            _bad("max_new_tokens", self.max_new_tokens, "must be >= 0")
+        _check_int("min_new_tokens", self.min_new_tokens)
+        if self.min_new_tokens < 0:
+            _bad("min_new_tokens", self.min_new_tokens, "must be >= 0")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            _bad("min_new_tokens", self.min_new_tokens,
+                 f"must be in [0, max_new_tokens={self.max_new_tokens}]")
+
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            _bad("temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        _check_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            _bad("top_p", self.top_p, "must be in (0, 1]")
+        _check_int("top_k", self.top_k)
+        if self.top_k == 0 or self.top_k < -1:
+            _bad("top_k", self.top_k, "must be -1 (disabled) or >= 1")
+        _check_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            _bad("min_p", self.min_p, "must be in [0, 1]")
+        _check_float("frequency_penalty", self.frequency_penalty)
+        if not -2 <= self.frequency_penalty <= 2:
+            _bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        _check_float("presence_penalty", self.presence_penalty)
+        if not -2 <= self.presence_penalty <= 2:
+            _bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= 2:
+            _bad("repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
+
+        _check_int("n", self.n)
+        if self.n < 1:
+            _bad("n", self.n, "must be >= 1")
+        _check_int("sampling_seed", self.sampling_seed, allow_none=True)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                _bad(name, getattr(self, name), "must be a boolean")
+
+        if self.stop is not None and not isinstance(self.stop, str):
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+                _bad("stop", self.stop, "must be a string or a list of strings")
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple, set)):
+                _bad("stop_token_ids", self.stop_token_ids, "must be a list of token ids")
+            for t in self.stop_token_ids:
+                _check_token_id("stop_token_ids", t, vocab_size)
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                _bad("logit_bias", self.logit_bias, "must be an object mapping token id -> bias")
+            for k, v in self.logit_bias.items():
+                tid = _as_token_id(k)
+                if tid is None:
+                    _bad("logit_bias", k, "keys must be integer token ids")
+                _check_token_id("logit_bias", tid, vocab_size)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                    _bad("logit_bias", v, f"value for token {k} must be a number")
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _bad(name: str, value: Any, reason: str) -> None:
+    raise ValueError(f"sampling_params.{name} {reason}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    # bool is an int subclass; `top_k: true` is a client bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        _bad(name, value, "must be an integer" + (" or null" if allow_none else ""))
+
+
+def _check_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _bad(name, value, "must be a finite number")
+
+
+def _as_token_id(key: Any) -> int | None:
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, int):
+        return key
+    if isinstance(key, str):
+        try:
+            return int(key.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _check_token_id(name: str, tid: Any, vocab_size: int | None) -> None:
+    if isinstance(tid, bool) or not isinstance(tid, int):
+        _bad(name, tid, "token ids must be integers")
+    hi = f"{vocab_size})" if vocab_size is not None else "inf)"
+    if tid < 0 or (vocab_size is not None and tid >= vocab_size):
+        _bad(name, tid, f"token ids must be in [0, {hi}")

@@ -1,0 +1,238 @@
+"""ServerArgs: every flag, its default and its validation, in one place.
+
+Fields are grouped by concern; argparse is generated from the fields (defaults, help and
+choices are defined once, here). `validate()` runs one small validator per group and raises
+`ServerArgsError` naming the flag and the reason; `resolve()` fills the "auto" values before the
+runtime reads them (the resolved copy is what gets logged and passed on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+DEVICE_CHOICES = ["auto", "cpu", "cuda"]
+SCHEDULE_POLICIES = ["fcfs", "lpm"]
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
+INDEX_K_DTYPES = ["fp8_e4m3", "bfloat16", "float32"]
+NSA_BACKENDS = ["torch"]
+MLA_PATHS = ["auto", "plain", "absorbed"]
+
+
+class ServerArgsError(ValueError):
+    def __init__(self, flag: str, reason: str) -> None:
+        self.flag, self.reason = flag, reason
+        super().__init__(f"--{flag.replace('_', '-')}: {reason}")
+
+
+def _f(default: Any, help: str, group: str, choices: list | None = None, **extra: Any):
+    return field(default=default, metadata={"help": help, "group": group, "choices": choices, **extra})
+
+
+@dataclass
+class ServerArgs:
+    # -- model ------------------------------------------------------------------------------
+    model_path: str | None = _f(None, "HF model directory or builtin:NAME (tiny local model).", "model",
+                                required=True)
+    tokenizer_path: str | None = _f(None, "Tokenizer directory (default: the model path).", "model")
+    trust_remote_code: bool = _f(False, "Allow custom code from the model directory.", "model")
+    dtype: str = _f("auto", "Compute dtype; auto = the checkpoint's.", "model", DTYPE_CHOICES)
+    context_length: int | None = _f(None, "Max tokens per request (prompt + output); default: the model's.",
+                                    "model")
+    json_model_override_args: str = _f("", "JSON object merged into the HF config.", "model")
+    served_model_name: str | None = _f(None, "Model name reported by the API (default: model path).", "model")
+
+    # -- runtime ----------------------------------------------------------------------------
+    device: str = _f("auto", "Device; auto = cuda when available, else cpu.", "runtime", DEVICE_CHOICES)
+    tp_size: int = _f(1, "Tensor parallel size.", "runtime")
+    random_seed: int | None = _f(None, "Seed for sampling without a per-request seed.", "runtime")
+    disable_cuda_graph: bool = _f(False, "Disable CUDA graphs for decode.", "runtime")
+    cuda_graph_max_bs: int = _f(160, "Largest decode batch captured in a CUDA graph.", "runtime")
+
+    # -- memory -----------------------------------------------------------------------------
+    mem_fraction_static: float = _f(0.85, "Fraction of GPU memory for weights + KV cache.", "memory")
+    max_total_tokens: int | None = _f(None, "KV cache capacity in tokens (overrides the memory budget).",
+                                      "memory")
+    page_size: int | None = _f(None, "Tokens per KV page; default 64 for DSA on CUDA, else 1.", "memory")
+    max_running_requests: int | None = _f(None, "Max requests decoding at once.", "memory")
+
+    # -- scheduling ---------------------------------------------------------------------------
+    chunked_prefill_size: int = _f(8192, "Max prefill tokens per step; -1 disables chunking.", "scheduling")
+    max_prefill_tokens: int = _f(16384, "Max new prompt tokens admitted per prefill batch.", "scheduling")
+    disable_radix_cache: bool = _f(False, "Disable prefix caching.", "scheduling")
+    schedule_policy: str = _f("fcfs", "Waiting-queue order: fcfs, or lpm (longest cached prefix first).",
+                              "scheduling", SCHEDULE_POLICIES)
+    enable_mixed_chunk: bool = _f(False, "Run decode requests inside prefill batches.", "scheduling")
+
+    # -- http ---------------------------------------------------------------------------------
+    host: str = _f("127.0.0.1", "HTTP host.", "http")
+    port: int = _f(30000, "HTTP port.", "http")
+    api_key: str | None = _f(None, "Require 'Authorization: Bearer KEY' on every route but /health.", "http")
+    enable_metrics: bool = _f(False, "Serve Prometheus metrics at /metrics.", "http")
+
+    # -- logging ------------------------------------------------------------------------------
+    log_level: str = _f("info", "Log level.", "logging", LOG_LEVELS)
+    log_requests: bool = _f(False, "Log every request's metadata.", "logging")
+
+    # -- NSA / DSA ------------------------------------------------------------------------------
+    nsa_index_k_dtype: str = _f("fp8_e4m3", "Indexer K cache dtype: fp8_e4m3 (+ fp32 scales, like upstream), "
+                                "or an exact bfloat16 / float32 mode (matches the unquantised reference).",
+                                "nsa", INDEX_K_DTYPES)
+    nsa_prefill_backend: str = _f("torch", "Sparse attention kernels for prefill.", "nsa", NSA_BACKENDS)
+    nsa_decode_backend: str = _f("torch", "Sparse attention kernels for decode.", "nsa", NSA_BACKENDS)
+    mla_attn_path: str = _f("auto", "MLA formulation: auto (plain for prefill, absorbed for decode), "
+                            "or force one (debug / equivalence tests).", "nsa", MLA_PATHS)
+
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for f in dataclasses.fields(ServerArgs):
+            md = f.metadata
+            g = groups.setdefault(md["group"], parser.add_argument_group(md["group"]))
+            flag = "--" + f.name.replace("_", "-")
+            if f.type in ("bool", bool):
+                g.add_argument(flag, action="store_true", default=f.default, help=md["help"])
+                continue
+            kind = _cli_type(f.type)
+            g.add_argument(flag, type=kind, default=f.default, choices=md.get("choices"), help=md["help"],
+                           required=md.get("required", False), dest=f.name)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ServerArgsError(unknown[0], f"unknown argument(s) {unknown}")
+        return cls(**kwargs)
+
+    def validate(self) -> None:
+        for check in _VALIDATORS:
+            check(self)
+
+    def resolve(self) -> "ServerArgs":
+        """A validated copy with every 'auto' / None default resolved."""
+        self.validate()
+        from sglang.srt.utils.common import resolve_device
+
+        device = resolve_device(self.device)
+        out = dataclasses.replace(
+            self,
+            device=device,
+            tokenizer_path=self.tokenizer_path or self.model_path,
+            served_model_name=self.served_model_name or self.model_path,
+            random_seed=self.random_seed if self.random_seed is not None else random.randint(0, 2**30),
+            page_size=self.page_size or (64 if device == "cuda" else 1),
+        )
+        if out.chunked_prefill_size > 0 and out.chunked_prefill_size % out.page_size:
+            raise ServerArgsError("chunked_prefill_size", f"must be a multiple of --page-size {out.page_size}")
+        return out
+
+    def model_overrides(self) -> dict:
+        return json.loads(self.json_model_override_args) if self.json_model_override_args.strip() else {}
+
+
+def _cli_type(annotation: Any) -> Callable:
+    text = str(annotation)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+# -- validators, one per group ----------------------------------------------------------------
+def _positive(args: ServerArgs, name: str, allow_none: bool = True) -> None:
+    v = getattr(args, name)
+    if v is None and allow_none:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ServerArgsError(name, f"must be a positive integer, got {v!r}")
+
+
+def _choice(args: ServerArgs, name: str) -> None:
+    f = next(x for x in dataclasses.fields(ServerArgs) if x.name == name)
+    choices = f.metadata.get("choices")
+    if choices and getattr(args, name) not in choices:
+        raise ServerArgsError(name, f"{getattr(args, name)!r} is not one of {choices}")
+
+
+def _check_model(args: ServerArgs) -> None:
+    if not args.model_path:
+        raise ServerArgsError("model_path", "is required (an HF model directory or builtin:NAME)")
+    _choice(args, "dtype")
+    _positive(args, "context_length")
+    if args.json_model_override_args.strip():
+        try:
+            value = json.loads(args.json_model_override_args)
+        except json.JSONDecodeError as e:
+            raise ServerArgsError("json_model_override_args", f"not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ServerArgsError("json_model_override_args", "must be a JSON object")
+
+
+def _check_runtime(args: ServerArgs) -> None:
+    _choice(args, "device")
+    _positive(args, "tp_size", allow_none=False)
+    _positive(args, "cuda_graph_max_bs", allow_none=False)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ServerArgsError("device", "cuda requested but no CUDA device is visible")
+    if args.random_seed is not None and (not isinstance(args.random_seed, int) or args.random_seed < 0):
+        raise ServerArgsError("random_seed", f"must be a non-negative integer, got {args.random_seed!r}")
+
+
+def _check_memory(args: ServerArgs) -> None:
+    if not 0.0 < args.mem_fraction_static < 1.0:
+        raise ServerArgsError("mem_fraction_static", f"must be in (0, 1), got {args.mem_fraction_static}")
+    _positive(args, "max_total_tokens")
+    _positive(args, "page_size")
+    _positive(args, "max_running_requests")
+    if args.page_size is not None and args.page_size & (args.page_size - 1):
+        raise ServerArgsError("page_size", f"must be a power of two, got {args.page_size}")
+    if args.max_total_tokens is not None and args.page_size and args.max_total_tokens < args.page_size:
+        raise ServerArgsError("max_total_tokens", f"must hold at least one page ({args.page_size} tokens)")
+
+
+def _check_scheduling(args: ServerArgs) -> None:
+    if args.chunked_prefill_size != -1 and args.chunked_prefill_size <= 0:
+        raise ServerArgsError("chunked_prefill_size", f"must be -1 (off) or positive, got {args.chunked_prefill_size}")
+    _positive(args, "max_prefill_tokens", allow_none=False)
+    _choice(args, "schedule_policy")
+
+
+def _check_http(args: ServerArgs) -> None:
+    if not 0 < args.port < 65536:
+        raise ServerArgsError("port", f"must be in 1..65535, got {args.port}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ServerArgsError("api_key", "must not be empty")
+
+
+def _check_logging(args: ServerArgs) -> None:
+    _choice(args, "log_level")
+
+
+def _check_nsa(args: ServerArgs) -> None:
+    for name in ("nsa_index_k_dtype", "nsa_prefill_backend", "nsa_decode_backend", "mla_attn_path"):
+        _choice(args, name)
+
+
+_VALIDATORS = [_check_model, _check_runtime, _check_memory, _check_scheduling, _check_http, _check_logging,
+               _check_nsa]
+
+
+def prepare_server_args(argv: list[str]) -> ServerArgs:
+    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server")
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))

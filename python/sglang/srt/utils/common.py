@@ -1,0 +1,49 @@
+"""Small helpers shared across the runtime (device/dtype resolution, logging)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def str_to_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError as e:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(set(_DTYPES))}") from e
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def get_bool_env(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def configure_logger(level: str = "info", prefix: str = "") -> None:
+    fmt = f"[%(asctime)s{prefix}] %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, datefmt="%H:%M:%S", force=True)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,207 @@
+"""DSA indexer: FP8 index-K quantisation, score error bound, top-k selection, sparse attention."""
+
+import math
+
+import pytest
+import torch
+
+from sglang.srt.layers.attention.nsa.nsa_backend import NativeSparseAttnBackend, build_nsa_metadata, topk_to_mask
+from sglang.srt.layers.attention.nsa.nsa_indexer import compute_topk, index_scores
+from sglang.srt.layers.attention.nsa.quant import (
+    FP8_E4M3_MAX,
+    dequantize_fp8_per_block,
+    fp8_round_trip,
+    hadamard_rotate,
+    quantize_fp8_per_block,
+)
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+# e4m3 keeps 3 mantissa bits: round-to-nearest is off by at most 1/16 of the value (normal
+# range); below 2^-6 * scale the grid is uniform with step 2^-9 * scale.
+E4M3_REL = 1 / 16
+
+
+def test_fp8_round_trip_error_bound():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 300, generator=g) * torch.logspace(-3, 3, 64)[:, None]
+    x[3, 17] = 1e4  # an outlier only hurts its own 128-value block
+    q, s = quantize_fp8_per_block(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 3)
+    y = dequantize_fp8_per_block(q, s)
+    bound = torch.maximum(x.abs() * E4M3_REL, s.repeat_interleave(128, -1)[:, :300] * 2**-10)
+    assert bool(((y - x).abs() <= bound * (1 + 1e-5)).all())
+    # the block max maps to the top of the e4m3 range
+    assert torch.allclose(s[:, 0], x[:, :128].abs().amax(-1) / FP8_E4M3_MAX)
+
+
+def test_hadamard_rotation_is_orthogonal():
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(10, 128, generator=g), torch.randn(10, 128, generator=g)
+    ra, rb = hadamard_rotate(a), hadamard_rotate(b)
+    assert torch.allclose((ra * rb).sum(-1), (a * b).sum(-1), atol=1e-4)
+    assert torch.allclose(hadamard_rotate(ra), a, atol=1e-5)
+    with pytest.raises(ValueError):
+        hadamard_rotate(torch.randn(3, 96))
+
+
+def test_fp8_index_score_error_bound():
+    """|score_fp8 - score_exact| <= scale * sum_h |w_h| * (2 * 1/16 + 1/256) * sum_i |q_hi| |k_i|
+    on the rotated vectors (ReLU is 1-Lipschitz; each factor carries at most 1/16 relative error)."""
+    g = torch.Generator().manual_seed(2)
+    t, h, d, L = 7, 16, 128, 200
+    q = torch.randn(t, h, d, generator=g)
+    k = torch.nn.functional.layer_norm(torch.randn(L, d, generator=g) * 3, (d,))
+    w = torch.randn(t, h, generator=g)
+    scale = d**-0.5
+    exact = index_scores(q, k[None], w, scale)
+    qr, kr = hadamard_rotate(q), hadamard_rotate(k)
+    approx = index_scores(fp8_round_trip(qr), fp8_round_trip(kr)[None], w, scale)
+    mag = torch.einsum("th,thd,ld->tl", w.abs(), qr.abs(), kr.abs()) * scale
+    err = (approx - exact).abs()
+    assert bool((err <= mag * (2 * E4M3_REL + E4M3_REL**2) + 1e-5).all())
+    # and in practice the error is far inside the worst case
+    assert err.mean() < 0.05 * mag.mean()
+
+
+# -- top-k selection -------------------------------------------------------------------------------
+def _setup(lens_prefix, lens_extend, page_size, index_k_dtype="float32", d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    size = 1024
+    pool = NSATokenToKVPool(size, page_size, torch.float32, 16, 8, 1, d, index_k_dtype)
+    r2t = ReqToTokenPool(8, 512)
+    alloc = PagedTokenToKVPoolAllocator(size, page_size)
+    slots = r2t.alloc(len(lens_prefix))
+    seq = [p + e for p, e in zip(lens_prefix, lens_extend)]
+    # Whole sequences are allocated at once; the prefix part's K is written up front.
+    loc = alloc.alloc_extend([0] * len(seq), seq, [-1] * len(seq))
+    off, new_loc = 0, []
+    for s, p, n in zip(slots, lens_prefix, seq):
+        r2t.write(s, 0, loc[off : off + n])
+        new_loc.append(loc[off + p : off + n])
+        off += n
+    keys = [torch.randn(n, d, generator=g) for n in seq]
+    for s, kk, n in zip(slots, keys, seq):
+        pool.set_index_k(0, r2t.req_to_token[s, :n], kk)
+    mode = ForwardMode.DECODE if all(e == 1 for e in lens_extend) else ForwardMode.EXTEND
+    fb = ForwardBatch.build(mode, [0] * sum(lens_extend), slots, lens_prefix, lens_extend, torch.cat(new_loc))
+    fb.req_to_token_pool, fb.token_to_kv_pool = r2t, pool
+    md = build_nsa_metadata(fb)
+    return pool, fb, md, keys, g
+
+
+def _reference_topk(q, w, keys, lens_prefix, lens_extend, topk, scale):
+    """Per query: score every causal key, keep the top-k positions (a set)."""
+    out, t = [], 0
+    for kk, p, e in zip(keys, lens_prefix, lens_extend):
+        for j in range(e):
+            pos = p + j
+            sc = index_scores(q[t : t + 1], kk[None, : pos + 1], w[t : t + 1], scale)[0]
+            out.append(set(range(pos + 1)) if pos + 1 <= topk else set(sc.topk(topk).indices.tolist()))
+            t += 1
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("lens", [([0, 0, 5], [50, 9, 40]), ([30, 64, 3], [1, 1, 1]), ([20, 0], [25, 70])])
+def test_topk_equals_dense_masked_reference(page_size, lens):
+    prefix, extend = lens
+    topk = 16
+    pool, fb, md, keys, g = _setup(prefix, extend, page_size)
+    t = sum(extend)
+    # 16 heads: a key whose ReLU scores are all zero (an exact tie) is a 2^-16 event.
+    q, w = torch.randn(t, 16, 64, generator=g), torch.randn(t, 16, generator=g)
+    got = compute_topk(0, q, w, 0.125, topk, pool, md, fb.positions, fb.forward_mode.is_decode())
+    ref = _reference_topk(q, w, keys, prefix, extend, topk, 0.125)
+    assert got.shape == (t, topk) and got.dtype == torch.int32
+    for row, expect in zip(got, ref):
+        sel = row[row >= 0].tolist()
+        assert len(sel) == len(set(sel)) and set(sel) == expect
+
+
+def test_decode_and_extend_paths_select_the_same():
+    """The last token of an extend and the same token as a decode step pick identical keys."""
+    topk = 8
+    pool, fb, md, keys, g = _setup([0], [40], 1)
+    q, w = torch.randn(40, 4, 64, generator=g), torch.randn(40, 4, generator=g)
+    ext = compute_topk(0, q, w, 0.125, topk, pool, md, fb.positions, False)[-1]
+    pool2, fb2, md2, _, _ = _setup([39], [1], 1)
+    pool2.set_index_k(0, md2.kv_indices[0], keys[0])
+    dec = compute_topk(0, q[-1:], w[-1:], 0.125, topk, pool2, md2, fb2.positions, True)[0]
+    assert set(ext.tolist()) == set(dec.tolist())
+
+
+def test_topk_to_mask():
+    topk = torch.tensor([[0, 3, -1], [2, -1, -1]])
+    m = topk_to_mask(topk, 5)
+    assert m.tolist() == [[True, False, False, True, False], [False, False, True, False, False]]
+
+
+class _Layer(torch.nn.Module):
+    """Minimal MLA layer view the backend needs."""
+
+    def __init__(self, h=2, nope=8, rope=8, v=8, c=16, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.layer_id, self.num_local_heads = 0, h
+        self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank = nope, v, c
+        self.scaling = (nope + rope) ** -0.5
+        self.kv_b_proj = torch.nn.Linear(c, h * (nope + v), bias=False)
+        self.kv_b_proj.weight.data = torch.randn(h * (nope + v), c, generator=g) * 0.3
+
+    def absorbed_weights(self):
+        w = self.kv_b_proj.weight.view(self.num_local_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+
+@pytest.mark.parametrize("mla_path", ["plain", "absorbed"])
+@pytest.mark.parametrize("decode", [False, True])
+def test_sparse_attention_equals_masked_dense_reference(mla_path, decode):
+    """Attending over the selected keys only == dense softmax with unselected keys masked."""
+    g = torch.Generator().manual_seed(3)
+    layer = _Layer()
+    prefix, extend = ([30, 12], [1, 1]) if decode else ([0, 10], [20, 9])
+    seq = [p + e for p, e in zip(prefix, extend)]
+    pool = NSATokenToKVPool(256, 1, torch.float32, 16, 8, 1, 16, "float32")
+    r2t, alloc = ReqToTokenPool(4, 128), PagedTokenToKVPoolAllocator(256, 1)
+    slots = r2t.alloc(2)
+    loc = alloc.alloc_extend([0, 0], seq, [-1, -1])
+    latents = [torch.randn(n, 16, generator=g) for n in seq]
+    ropes = [torch.randn(n, 8, generator=g) for n in seq]
+    off, new = 0, []
+    for s, p, n, lat, rp in zip(slots, prefix, seq, latents, ropes):
+        r2t.write(s, 0, loc[off : off + n])
+        pool.set_mla_kv_buffer(0, loc[off : off + p], lat[:p], rp[:p])
+        new.append(loc[off + p : off + n])
+        off += n
+    mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
+    fb = ForwardBatch.build(mode, [0] * sum(extend), slots, prefix, extend, torch.cat(new))
+    fb.req_to_token_pool, fb.token_to_kv_pool = r2t, pool
+    fb.attn_metadata = build_nsa_metadata(fb)
+    t = sum(extend)
+    q_nope, q_rope = torch.randn(t, 2, 8, generator=g), torch.randn(t, 2, 8, generator=g)
+    topk = torch.full((t, 6), -1, dtype=torch.int32)
+    row = 0
+    for n, p, e in zip(seq, prefix, extend):
+        for j in range(e):
+            cand = torch.randperm(p + j + 1, generator=g)[:6]
+            topk[row, : len(cand)] = cand.to(torch.int32)
+            row += 1
+    backend = NativeSparseAttnBackend(pool, mla_path)
+    lat_new = torch.cat([lat[p:] for lat, p in zip(latents, prefix)])
+    rope_new = torch.cat([rp[p:] for rp, p in zip(ropes, prefix)])
+    out = backend.forward_mla(layer, q_nope, q_rope, lat_new, rope_new, fb, topk_indices=topk)
+
+    w_kc, w_vc = layer.absorbed_weights()
+    row = 0
+    for lat, rp, p, e in zip(latents, ropes, prefix, extend):
+        k_nope = torch.einsum("lc,hnc->lhn", lat, w_kc)
+        v = torch.einsum("lc,hvc->lhv", lat, w_vc)
+        for j in range(e):
+            sc = (torch.einsum("hn,lhn->hl", q_nope[row], k_nope) + q_rope[row] @ rp.T) * layer.scaling
+            allowed = topk_to_mask(topk[row : row + 1], lat.shape[0])[0] & (torch.arange(lat.shape[0]) <= p + j)
+            probs = torch.softmax(sc.masked_fill(~allowed, float("-inf")), -1)
+            ref = torch.einsum("hl,lhv->hv", probs, v)
+            assert torch.allclose(out[row], ref, atol=1e-5), (mla_path, decode, row)
+            row += 1

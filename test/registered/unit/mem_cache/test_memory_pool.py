@@ -1,0 +1,324 @@
+"""ReqToTokenPool, MLATokenToKVPool and NSATokenToKVPool (DSA index-K buffer: byte layout, FP8 and
+exact modes, index-layer subsets). CPU, fast."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import sglang  # noqa: F401
+except ImportError:  # running from a source checkout without `pip install -e python`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "python"))
+
+import torch  # noqa: E402
+
+from sglang.srt.layers.attention.nsa.quant import (  # noqa: E402
+    dequantize_fp8_per_block,
+    quantize_fp8_per_block,
+)
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
+    MLATokenToKVPool,
+    NSATokenToKVPool,
+    ReqToTokenPool,
+)
+
+RANK, ROPE = 32, 8
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def nsa(size=64, page_size=16, layer_num=3, index_head_dim=128, index_k_dtype="fp8_e4m3",
+        index_layer_ids=None, dtype=torch.bfloat16) -> NSATokenToKVPool:
+    return NSATokenToKVPool(size, page_size, dtype, RANK, ROPE, layer_num, index_head_dim,
+                            index_k_dtype=index_k_dtype, index_layer_ids=index_layer_ids)
+
+
+# -- ReqToTokenPool ------------------------------------------------------------------------------------
+
+
+def test_req_to_token_pool_alloc_free():
+    pool = ReqToTokenPool(4, 16)
+    assert pool.req_to_token.shape == (4, 16) and pool.req_to_token.dtype == torch.int64
+    assert pool.available_size() == 4
+    a = pool.alloc(3)
+    assert len(a) == 3 and len(set(a)) == 3 and all(0 <= i < 4 for i in a)
+    assert pool.available_size() == 1
+    assert pool.alloc(2) is None and pool.available_size() == 1
+    b = pool.alloc(1)
+    assert not set(a) & set(b) and pool.available_size() == 0
+    assert pool.alloc(1) is None
+    assert pool.alloc(0) == []
+    pool.free(a[0])
+    pool.free(a[1:])
+    assert pool.available_size() == 3
+    c = pool.alloc(3)
+    assert sorted(c) == sorted(a)
+
+
+def test_req_to_token_pool_double_free():
+    pool = ReqToTokenPool(4, 16)
+    a = pool.alloc(2)
+    pool.free(a[0])
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free(a[0])
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free([a[1], a[0]])
+    assert pool.available_size() == 3  # the failed call freed nothing
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free(3)  # never allocated
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free([a[1], a[1]])  # duplicate inside one call
+    assert pool.available_size() == 3
+    pool.free(a[1])
+    assert pool.available_size() == 4 and len(set(pool.free_slots)) == 4
+
+
+def test_req_to_token_pool_out_of_range_free():
+    pool = ReqToTokenPool(4, 16)
+    pool.alloc(4)
+    for bad in (4, -1, [0, 9]):
+        with pytest.raises(RuntimeError, match="out-of-range"):
+            pool.free(bad)
+    assert pool.available_size() == 0
+
+
+def test_req_to_token_pool_write_and_clear():
+    pool = ReqToTokenPool(3, 10)
+    (r,) = pool.alloc(1)
+    pool.write(r, 0, torch.tensor([5, 6, 7]))
+    pool.write(r, 3, torch.tensor([9, 10], dtype=torch.int32))
+    assert pool.req_to_token[r, :5].tolist() == [5, 6, 7, 9, 10]
+    assert pool.req_to_token[r, 5:].eq(0).all()
+    others = [i for i in range(3) if i != r]
+    assert pool.req_to_token[others].eq(0).all()
+    pool.alloc(2)
+    pool.clear()
+    assert pool.available_size() == 3 and sorted(pool.free_slots) == [0, 1, 2]
+
+
+# -- MLATokenToKVPool ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mla_set_get_round_trip(page_size, dtype):
+    size, layers = 8 * page_size, 2
+    pool = MLATokenToKVPool(size, page_size, dtype, RANK, ROPE, layers)
+    assert len(pool.kv_buffer) == layers
+    assert pool.kv_buffer[0].shape == (size + page_size, 1, RANK + ROPE)
+    assert pool.get_key_buffer(1) is pool.kv_buffer[1]
+    alloc = PagedTokenToKVPoolAllocator(size, page_size)
+    loc = alloc.alloc(size)[torch.randperm(size, generator=gen())[:7]]
+    latent = torch.randn(7, RANK, generator=gen(1))
+    rope = torch.randn(7, ROPE, generator=gen(2))
+    pool.set_mla_kv_buffer(1, loc, latent, rope)
+    got_latent, got_rope = pool.get_mla_kv(1, loc)
+    assert got_latent.dtype == dtype and got_latent.shape == (7, RANK) and got_rope.shape == (7, ROPE)
+    assert torch.equal(got_latent, latent.to(dtype)) and torch.equal(got_rope, rope.to(dtype))
+    # Any index shape; other slots and the other layer untouched.
+    gl, gr = pool.get_mla_kv(1, loc.view(7, 1))
+    assert gl.shape == (7, 1, RANK) and torch.equal(gl[:, 0], latent.to(dtype))
+    mask = torch.ones(size + page_size, dtype=torch.bool)
+    mask[loc] = False
+    assert pool.kv_buffer[1][mask].eq(0).all()
+    assert pool.kv_buffer[0].eq(0).all()
+
+
+def test_mla_sizes():
+    pool = MLATokenToKVPool(32, 16, torch.bfloat16, RANK, ROPE, 3)
+    assert pool.kv_bytes_per_token() == 3 * (RANK + ROPE) * 2
+    assert pool.get_kv_size_bytes() == 3 * (32 + 16) * (RANK + ROPE) * 2
+
+
+# -- NSATokenToKVPool: shapes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_nsa_fp8_buffer_shape_matches_upstream(page_size):
+    size = 8 * page_size
+    pool = nsa(size=size, page_size=page_size, index_head_dim=128)
+    num_pages = size // page_size
+    assert len(pool.index_k_with_scale_buffer) == 3
+    for buf in pool.index_k_with_scale_buffer:
+        # upstream: [num_pages (+ the padding page), page_size * (128 + 128 // 128 * 4)] uint8
+        assert buf.dtype == torch.uint8
+        assert buf.shape == (num_pages + 1, page_size * (128 + 4))
+    assert pool.index_bytes_per_token == 132 and pool.num_scales == 1
+
+
+@pytest.mark.parametrize("d,bytes_per_token,num_scales", [(128, 132, 1), (256, 264, 2), (64, 68, 1), (192, 200, 2)])
+def test_nsa_fp8_bytes_per_token(d, bytes_per_token, num_scales):
+    pool = nsa(index_head_dim=d)
+    assert pool.index_bytes_per_token == bytes_per_token and pool.num_scales == num_scales
+    assert pool.index_k_with_scale_buffer[0].shape == (64 // 16 + 1, 16 * bytes_per_token)
+
+
+@pytest.mark.parametrize("mode,itemsize", [("bfloat16", 2), ("float32", 4)])
+def test_nsa_exact_buffer_shape(mode, itemsize):
+    pool = nsa(index_head_dim=128, index_k_dtype=mode)
+    assert pool.num_scales == 0 and not pool.is_fp8
+    assert pool.index_bytes_per_token == 128 * itemsize
+    assert pool.index_k_with_scale_buffer[0].shape == (5, 16 * 128 * itemsize)
+
+
+def test_nsa_bad_config_raises():
+    with pytest.raises(ValueError, match="index_k_dtype"):
+        nsa(index_k_dtype="int8")
+    with pytest.raises(ValueError, match="multiple of 4"):
+        nsa(index_head_dim=3, index_k_dtype="bfloat16")
+    with pytest.raises(ValueError, match="multiple of 4"):
+        nsa(index_head_dim=130)  # fp8: 130 + 2 * 4 bytes
+
+
+# -- NSATokenToKVPool: byte layout ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("d", [128, 256, 64])
+def test_nsa_fp8_byte_layout(page_size, d):
+    size = 4 * page_size
+    pool = nsa(size=size, page_size=page_size, index_head_dim=d, layer_num=2)
+    ns = pool.num_scales
+    # A few slots on different pages and offsets, including the last slot of the last page.
+    cand = [page_size, page_size + page_size // 2, 3 * page_size + 1, 5 * page_size - 1, 2 * page_size + 3]
+    loc = torch.tensor(sorted({c for c in cand if page_size <= c < 5 * page_size}))
+    k = torch.randn(len(loc), d, generator=gen(3)) * torch.logspace(-2, 2, len(loc))[:, None]
+    pool.set_index_k(1, loc, k)
+    buf = pool.index_k_with_scale_buffer[1]
+    q_ref, s_ref = quantize_fp8_per_block(k)
+    touched = torch.zeros_like(buf, dtype=torch.bool)
+    for i, slot in enumerate(loc.tolist()):
+        p, off = divmod(slot, page_size)
+        data = buf[p, off * d : (off + 1) * d]
+        assert torch.equal(data, q_ref[i].view(torch.uint8)), f"FP8 bytes of slot {slot}"
+        s0 = page_size * d + off * 4 * ns
+        scale = buf[p, s0 : s0 + 4 * ns]
+        assert torch.equal(scale, s_ref[i].contiguous().view(torch.uint8)), f"scale bytes of slot {slot}"
+        assert torch.equal(scale.view(torch.float32), s_ref[i])
+        touched[p, off * d : (off + 1) * d] = True
+        touched[p, s0 : s0 + 4 * ns] = True
+    assert buf[~touched].eq(0).all(), "bytes outside the written tokens changed"
+    assert pool.index_k_with_scale_buffer[0].eq(0).all(), "other layer changed"
+    assert buf[0].eq(0).all(), "padding page changed"
+    # Read back through the API: dequantised with the same scales.
+    got = pool.get_index_k(1, loc)
+    assert got.dtype == torch.float32 and got.shape == (len(loc), d)
+    assert torch.equal(got, dequantize_fp8_per_block(q_ref, s_ref))
+    assert torch.allclose(got, k, rtol=1 / 8, atol=1e-3 * k.abs().amax(-1, keepdim=True).max())
+    # Any index shape.
+    assert torch.equal(pool.get_index_k(1, loc.view(-1, 1))[:, 0], got)
+
+
+def test_nsa_fp8_page_copy_moves_whole_tokens():
+    """A page's bytes hold all of its tokens' K + scales: copying the raw row moves the page."""
+    ps = 16
+    pool = nsa(size=4 * ps, page_size=ps)
+    src = torch.arange(ps, 2 * ps)
+    k = torch.randn(ps, 128, generator=gen(4))
+    pool.set_index_k(0, src, k)
+    buf = pool.index_k_with_scale_buffer[0]
+    buf[3] = buf[1]
+    assert torch.equal(pool.get_index_k(0, src + 2 * ps), pool.get_index_k(0, src))
+
+
+def test_nsa_fp8_overwrite_and_zero_vector():
+    pool = nsa()
+    loc = torch.tensor([16, 17])
+    pool.set_index_k(0, loc, torch.randn(2, 128, generator=gen(5)))
+    k = torch.zeros(2, 128)
+    k[1] = torch.randn(128, generator=gen(6))
+    pool.set_index_k(0, loc, k)
+    got = pool.get_index_k(0, loc)
+    assert got[0].eq(0).all() and torch.isfinite(got).all()
+    assert torch.allclose(got[1], k[1], rtol=1 / 8, atol=1e-2)
+
+
+@pytest.mark.parametrize("mode,dtype", [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_nsa_exact_modes_round_trip_and_layout(mode, dtype, page_size):
+    d = 128
+    size = 4 * page_size
+    pool = nsa(size=size, page_size=page_size, index_head_dim=d, index_k_dtype=mode, layer_num=2)
+    isz = dtype.itemsize
+    loc = torch.tensor(sorted({page_size, page_size + 1 if page_size > 1 else 2 * page_size, 4 * page_size + page_size - 1}))
+    k = torch.randn(len(loc), d, generator=gen(7))
+    pool.set_index_k(0, loc, k)
+    got = pool.get_index_k(0, loc)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, k.to(dtype).float())
+    if dtype == torch.float32:
+        assert torch.equal(got, k)
+    buf = pool.index_k_with_scale_buffer[0]
+    touched = torch.zeros_like(buf, dtype=torch.bool)
+    for i, slot in enumerate(loc.tolist()):
+        p, off = divmod(slot, page_size)
+        b = buf[p, off * d * isz : (off + 1) * d * isz]
+        assert torch.equal(b, k[i].to(dtype).view(torch.uint8))
+        touched[p, off * d * isz : (off + 1) * d * isz] = True
+    assert buf[~touched].eq(0).all()
+    assert pool.index_k_with_scale_buffer[1].eq(0).all()
+
+
+# -- NSATokenToKVPool: index-layer subsets --------------------------------------------------------------------
+
+
+def test_nsa_index_layer_subset():
+    pool = nsa(layer_num=4, index_layer_ids=[2, 0])
+    assert pool.index_layer_ids == [0, 2]
+    assert len(pool.index_k_with_scale_buffer) == 2
+    assert pool.index_buffer_id(0) == 0 and pool.index_buffer_id(2) == 1
+    # MLA KV still exists for every layer.
+    assert len(pool.kv_buffer) == 4
+    loc = torch.tensor([16, 33])
+    k0, k2 = torch.randn(2, 128, generator=gen(8)), torch.randn(2, 128, generator=gen(9))
+    pool.set_index_k(0, loc, k0)
+    pool.set_index_k(2, loc, k2)
+    assert torch.allclose(pool.get_index_k(0, loc), k0, rtol=1 / 8, atol=0.05)
+    assert torch.allclose(pool.get_index_k(2, loc), k2, rtol=1 / 8, atol=0.05)
+    assert not torch.equal(pool.index_k_with_scale_buffer[0], pool.index_k_with_scale_buffer[1])
+    for layer in (1, 3):
+        for fn in (lambda: pool.get_index_k(layer, loc), lambda: pool.set_index_k(layer, loc, k0),
+                   lambda: pool.index_buffer_id(layer)):
+            with pytest.raises(KeyError) as ei:
+                fn()
+            msg = str(ei.value)
+            assert f"layer {layer}" in msg and "[0, 2]" in msg and "index-K" in msg
+
+
+def test_nsa_kv_bytes_per_token_counts_index_layers_only():
+    mla = 4 * (RANK + ROPE) * 2
+    assert nsa(layer_num=4).kv_bytes_per_token() == mla + 4 * 132
+    assert nsa(layer_num=4, index_layer_ids=[1, 3]).kv_bytes_per_token() == mla + 2 * 132
+    assert nsa(layer_num=4, index_layer_ids=[]).kv_bytes_per_token() == mla
+    assert nsa(layer_num=4, index_layer_ids=[1], index_k_dtype="bfloat16").kv_bytes_per_token() == mla + 256
+    empty = nsa(layer_num=4, index_layer_ids=[])
+    assert empty.index_k_with_scale_buffer == []
+    with pytest.raises(KeyError):
+        empty.get_index_k(0, torch.tensor([16]))
+
+
+def test_nsa_get_kv_size_bytes():
+    pool = nsa(size=64, page_size=16, layer_num=4, index_layer_ids=[0, 3])
+    mla = 4 * (64 + 16) * (RANK + ROPE) * 2
+    assert pool.get_kv_size_bytes() == mla + 2 * 5 * 16 * 132
+
+
+@pytest.mark.parametrize("ids", [[-1], [4], [0, 5], [1, 1]])
+def test_nsa_bad_index_layer_ids_raise(ids):
+    with pytest.raises(ValueError):
+        nsa(layer_num=4, index_layer_ids=ids)
+
+
+def test_nsa_mla_part_still_works():
+    pool = nsa(layer_num=2, index_layer_ids=[1])
+    loc = torch.tensor([16, 20])
+    lat, rope = torch.randn(2, RANK, generator=gen(10)), torch.randn(2, ROPE, generator=gen(11))
+    pool.set_mla_kv_buffer(0, loc, lat, rope)
+    gl, gr = pool.get_mla_kv(0, loc)
+    assert torch.equal(gl, lat.bfloat16()) and torch.equal(gr, rope.bfloat16())

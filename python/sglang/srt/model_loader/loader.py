@@ -42,7 +42,8 @@ def get_model(model_config: ModelConfig, device: str = "cpu", tp_group: GroupCoo
     quant = read_quant_config(model_config.model_path)
     if quant is not None:
         block = tuple(quant.get("weight_block_size", (128, 128)))
-        weights = dequantize_fp8_weights(weights, model_config.dtype, block)
+        # fp32 out: each parameter's loader casts (fp32-kept params like weights_proj lose nothing).
+        weights = dequantize_fp8_weights(weights, torch.float32, block)
     model.load_weights((name, t.to(device)) for name, t in weights)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())

@@ -303,6 +303,8 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group, dtype=dtype)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.num_layers = config.num_hidden_layers
+        # DeepSeek / GLM checkpoints carry the MTP layer even when configs omit the count.
+        self.num_nextn_layers = max(getattr(config, "num_nextn_predict_layers", 1) or 1, 1)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -312,9 +314,10 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     # -- weights ------------------------------------------------------------------------------
     def _ignored_weight(self, name: str) -> bool:
-        """Checkpoint tensors this model does not use: the NextN/MTP layers, rotary caches."""
+        """Checkpoint tensors this model does not use: the NextN/MTP layers (stored right after the
+        decoder layers), rotary caches. Layers beyond those are unexpected, not ignored."""
         m = re.match(r"^model\.layers\.(\d+)\.", name)
-        if m and int(m.group(1)) >= self.num_layers:
+        if m and self.num_layers <= int(m.group(1)) < self.num_layers + self.num_nextn_layers:
             return True
         return name.endswith("rotary_emb.inv_freq")
 

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Run CI exactly as CI does: a clean clone of the committed tree, then .ci/run.
+set -euo pipefail
+src="$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)"
+dst="${1:-$(mktemp -d)/ci}"
+git clone -q "$src" "$dst"
+cd "$dst"
+time bash .ci/run

@@ -81,13 +81,14 @@ def test_fp8_end_to_end_agreement_reported(name, builtin_path, record_property):
         engine = Engine(model_path=builtin_path(name), dtype="float32", device="cpu", max_total_tokens=8192,
                         nsa_index_k_dtype=mode)
         runs[mode] = engine.generate(input_ids=prompts, sampling_params=sp)
-        logits[mode] = [torch.tensor([x[0] for x in r["meta_info"]["input_top_logprobs"]])
+        # input_top_logprobs: per prompt position, [(logprob, token_id, None)]; position 0 has none.
+        logits[mode] = [torch.tensor([row[0][1] for row in r["meta_info"]["input_top_logprobs"][1:]])
                         for r in engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1},
                                                  return_logprob=True, logprob_start_len=0, top_logprobs_num=1)]
     greedy = [sum(a == b for a, b in zip(x["output_ids"], y["output_ids"])) / 32
               for x, y in zip(runs["float32"], runs["fp8_e4m3"])]
     # Teacher-forced: does each prompt position's argmax agree (no cascade through outputs)?
-    tf = torch.cat([(a[:, 1] == b[:, 1]).float() for a, b in zip(logits["float32"], logits["fp8_e4m3"])])
+    tf = torch.cat([(a == b).float() for a, b in zip(logits["float32"], logits["fp8_e4m3"])])
     report = {"greedy_token_agreement": sum(greedy) / len(greedy), "teacher_forced_argmax_agreement": tf.mean().item()}
     print(f"{name}: FP8 vs exact index K: {report}")
     for k, v in report.items():

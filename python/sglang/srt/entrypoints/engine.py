@@ -14,6 +14,7 @@ from typing import Any, Iterator
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.managers.detokenizer_manager import DecodeState
 from sglang.srt.managers.io_struct import ReqOutput, TokenizedGenerateReqInput
+from sglang.srt.managers.request_state import RequestState
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tokenizer_utils import load_tokenizer
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -23,35 +24,21 @@ from sglang.srt.utils.common import configure_logger
 logger = logging.getLogger(__name__)
 
 
-class _Pending:
-    def __init__(self, rid: str, decode: DecodeState, prompt_len: int) -> None:
-        self.rid, self.decode = rid, decode
-        self.text = ""
-        self.output_ids: list[int] = []
-        self.meta: dict[str, Any] = {"id": rid, "prompt_tokens": prompt_len, "finish_reason": None}
-        self.done = False
+class _Pending(RequestState):
+    """A RequestState that detokenizes locally (the server does this in its detokenizer)."""
 
-    def apply(self, out: ReqOutput) -> str:
-        self.output_ids += out.new_token_ids
+    def __init__(self, rid: str, decode: DecodeState, input_ids: list[int], logprob_start_len: int) -> None:
+        super().__init__(rid, input_ids, logprob_start_len)
+        self.decode = decode
+
+    def push(self, out: ReqOutput) -> str:
         delta = self.decode.push(out.new_token_ids, out.finished_reason)
-        self.text += delta
-        self.meta.update(completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
-                         prompt_tokens=out.prompt_tokens)
-        if out.output_token_logprobs is not None:
-            self.meta.setdefault("output_token_logprobs", []).extend(
-                zip(out.output_token_logprobs, out.new_token_ids))
-            if out.output_top_logprobs:
-                self.meta.setdefault("output_top_logprobs", []).extend(out.output_top_logprobs)
-        if out.input_token_logprobs is not None:
-            self.meta["input_token_logprobs"] = out.input_token_logprobs
-            self.meta["input_top_logprobs"] = out.input_top_logprobs
-        if out.finished_reason is not None:
-            self.meta["finish_reason"] = out.finished_reason
-            self.done = True
+        self.apply(out, delta)
         return delta
 
-    def result(self) -> dict:
-        return {"text": self.text, "output_ids": self.output_ids, "meta_info": dict(self.meta)}
+    @property
+    def done(self) -> bool:
+        return self.finished
 
 
 class Engine:
@@ -77,11 +64,12 @@ class Engine:
                 raise ValueError("either a prompt or input_ids is required")
             input_ids = self.tokenizer.encode(prompt)
         rid = f"engine-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        pending = _Pending(rid, DecodeState(self.tokenizer, sp.skip_special_tokens, sp.spaces_between_special_tokens,
-                                            sp.stop_strs, sp.no_stop_trim), len(input_ids))
+        decode = DecodeState(self.tokenizer, sp.skip_special_tokens, sp.spaces_between_special_tokens,
+                             sp.stop_strs, sp.no_stop_trim)
+        pending = _Pending(rid, decode, list(input_ids), logprob_start_len)
         for out in self.scheduler.add_request(TokenizedGenerateReqInput(
                 rid, list(input_ids), sp, return_logprob, logprob_start_len, top_logprobs_num)):
-            pending.apply(out)
+            pending.push(out)
         return pending
 
     def _run(self, pendings: list[_Pending]) -> Iterator[tuple[_Pending, str]]:
@@ -93,7 +81,7 @@ class Engine:
             for out in outs:
                 p = by_rid.get(out.rid)
                 if p is not None:
-                    yield p, p.apply(out)
+                    yield p, p.push(out)
 
     def generate(
         self,

@@ -67,3 +67,56 @@ class DecodeState:
         delta = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return delta
+
+
+class DetokenizerManager:
+    """The detokenizer process: token deltas in, text deltas out."""
+
+    def __init__(self, server_args, port_args) -> None:
+        import zmq
+
+        from sglang.srt.managers.tokenizer_utils import load_tokenizer
+        from sglang.srt.utils.ipc import get_zmq_socket
+
+        self.tokenizer = load_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+        ctx = zmq.Context(2)
+        self.recv_from_scheduler = get_zmq_socket(ctx, zmq.PULL, port_args.detokenizer_ipc_name, True)
+        self.send_to_tokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc_name, False)
+        self.states: dict[str, DecodeState] = {}
+
+    def handle(self, batch) -> "object":
+        from sglang.srt.managers.io_struct import BatchStrOut, StrOutput
+
+        outs = []
+        for out in batch.outputs:
+            state = self.states.get(out.rid)
+            if state is None:
+                state = self.states[out.rid] = DecodeState(
+                    self.tokenizer, out.skip_special_tokens, out.spaces_between_special_tokens, out.stop_strs,
+                    out.no_stop_trim)
+            delta = state.push(out.new_token_ids, out.finished_reason)
+            if out.finished_reason is not None:
+                del self.states[out.rid]
+            outs.append(StrOutput(delta, out))
+        return BatchStrOut(outs)
+
+    def event_loop(self) -> None:
+        while True:
+            self.send_to_tokenizer.send_pyobj(self.handle(self.recv_from_scheduler.recv_pyobj()))
+
+
+def run_detokenizer_process(server_args, port_args) -> None:
+    import logging
+    import os
+    import traceback
+
+    from sglang.srt.utils.common import configure_logger
+    from sglang.srt.utils.ipc import kill_itself_when_parent_died
+
+    kill_itself_when_parent_died()
+    configure_logger(server_args.log_level, prefix=" detokenizer")
+    try:
+        DetokenizerManager(server_args, port_args).event_loop()
+    except BaseException:
+        logging.getLogger(__name__).error("detokenizer crashed:\n%s", traceback.format_exc())
+        os._exit(1)

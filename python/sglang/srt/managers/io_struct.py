@@ -6,8 +6,6 @@ One small dataclass per message; outputs carry deltas (new tokens / new text), n
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 
@@ -48,12 +46,14 @@ class GetLoadReq:
 class SchedulerStats:
     num_running_reqs: int
     num_waiting_reqs: int
-    kv_used_tokens: int
     kv_total_tokens: int
-    kv_available_tokens: int
+    kv_free_tokens: int  # in the allocator's free list
+    kv_cached_tokens: int  # held by the prefix cache (evictable + protected)
+    kv_protected_tokens: int  # locked by running requests
     cache_hit_rate: float
     num_prompt_tokens: int
     num_cached_tokens: int
+    kv_leak: str | None = None  # the idle-time invariant check (None = fine or busy)
 
 
 @dataclass
@@ -74,6 +74,7 @@ class ReqOutput:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    stop_strs: list[str] | None = None
 
 
 @dataclass
@@ -83,11 +84,10 @@ class BatchTokenIDOut:
 
 @dataclass
 class StrOutput:
-    rid: str
+    """A ReqOutput plus the text it adds (detokenized)."""
+
     text_delta: str
-    token_ids_delta: list[int]
-    finished_reason: dict | None
-    meta: dict[str, Any]
+    out: ReqOutput
 
 
 @dataclass

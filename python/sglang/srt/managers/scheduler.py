@@ -351,6 +351,7 @@ class Scheduler:
             skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens,
             no_stop_trim=sp.no_stop_trim,
+            stop_strs=sp.stop_strs or None,
         )
         if req.return_logprob:
             out.output_token_logprobs, req.pending_logprobs = req.pending_logprobs, []
@@ -375,7 +376,7 @@ class Scheduler:
         if self.has_work():
             return None
         free = self.allocator.available_size()
-        cached = self.tree_cache.total_size() if isinstance(self.tree_cache, RadixCache) else 0
+        cached = self.tree_cache.total_size()
         if free + cached != self.max_total_num_tokens:
             return f"KV leak: free {free} + cached {cached} != total {self.max_total_num_tokens}"
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
@@ -383,14 +384,15 @@ class Scheduler:
         return None
 
     def get_stats(self) -> SchedulerStats:
-        avail = self.allocator.available_size() + self.tree_cache.evictable_size()
         return SchedulerStats(
             num_running_reqs=len(self.running) + (1 if self.chunked_req else 0),
             num_waiting_reqs=len(self.waiting_queue),
-            kv_used_tokens=self.max_total_num_tokens - self.allocator.available_size(),
             kv_total_tokens=self.max_total_num_tokens,
-            kv_available_tokens=avail,
+            kv_free_tokens=self.allocator.available_size(),
+            kv_cached_tokens=self.tree_cache.total_size(),
+            kv_protected_tokens=self.tree_cache.protected_size(),
             cache_hit_rate=self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0,
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
+            kv_leak=self.kv_leak_report(),
         )

@@ -1,0 +1,219 @@
+"""FastAPI app: OpenAI-compatible routes plus SGLang's native ones.
+
+Every error is OpenAI-shaped JSON ({"error": {message, type, param, code}}) with a 4xx status
+for bad requests; unexpected exceptions become a 500 and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, now_s
+from sglang.srt.entrypoints.openai.serving_chat import ChatHandler
+from sglang.srt.entrypoints.openai.serving_completions import CompletionHandler
+from sglang.srt.entrypoints.openai.utils import SSE_DONE, error_response, request_error_response, sse
+from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 2**20  # ~8M tokens of input_ids JSON: far beyond any context
+_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                 405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error"}
+_GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
+                  "top_logprobs_num", "rid"}
+
+
+def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, version: str = "") -> FastAPI:
+    app = FastAPI(title="sglang (DSA)", version=version)
+    served = server_args.served_model_name
+    completions, chat = CompletionHandler(tm, served), ChatHandler(tm, served)
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        tm.start()
+
+    app.add_middleware(GuardMiddleware, api_key=server_args.api_key)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):  # keep serving; report as JSON
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, "server_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errs):
+            return error_response("request body is not valid JSON", 400)
+        first = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in first.get("loc", []) if x != "body")
+        return error_response(f"invalid request: {loc}: {first.get('msg', 'invalid value')}", 422, param=loc or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(str(exc.detail), exc.status_code, _STATUS_TYPES.get(exc.status_code, "server_error"))
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        return request_error_response(exc)
+
+    # -- OpenAI ---------------------------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served, "object": "model", "created": now_s(), "owned_by": "sglang",
+                                            "root": server_args.model_path, "max_model_len": tm.context_len}]}
+
+    @app.post("/v1/completions")
+    async def v1_completions(req: CompletionRequest, raw: Request):
+        return await completions.handle(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def v1_chat(req: ChatCompletionRequest, raw: Request):
+        return await chat.handle(req, raw)
+
+    # -- native ----------------------------------------------------------------------------------------
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(raw: Request):
+        try:
+            body = json.loads(await raw.body() or b"{}")
+        except json.JSONDecodeError:
+            return error_response("request body is not valid JSON", 400)
+        try:
+            reqs, single = _native_requests(body)
+            prepared = [tm.prepare(r) for r in reqs]
+        except RequestError as e:
+            return request_error_response(e)
+        if body.get("stream"):
+            if not single:
+                return error_response("stream=true takes a single prompt", 400, param="stream")
+            return StreamingResponse(_native_stream(tm, reqs[0], prepared[0]), media_type="text/event-stream")
+        results = await asyncio.gather(*[tm.generate_full(r, p, raw.is_disconnected) for r, p in zip(reqs, prepared)])
+        for r in results:
+            fr = r["meta_info"].get("finish_reason") or {}
+            if fr.get("type") == "abort" and fr.get("status_code", 400) >= 400 and len(results) == 1:
+                return error_response(fr.get("message", "aborted"), fr.get("status_code", 400))
+        return results[0] if single else results
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        req = GenerateRequest(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        try:
+            await asyncio.wait_for(tm.generate_full(req), timeout=60)
+        except Exception as e:
+            return error_response(f"generation health check failed: {e}", 503, "server_error")
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path,
+                "is_generation": True, "served_model_name": served,
+                "architecture": tm.scheduler_info.get("architecture")}
+
+    @app.get("/get_server_info")
+    async def server_info():
+        info: dict[str, Any] = dataclasses.asdict(server_args)
+        info.pop("api_key", None)
+        info.update({k: v for k, v in tm.scheduler_info.items() if k != "status"})
+        info["version"] = version
+        try:
+            info["internal_states"] = [dataclasses.asdict(await tm.get_load())]
+        except asyncio.TimeoutError:
+            info["internal_states"] = []
+        return info
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        out = await tm.flush_cache()
+        if not out.success:
+            return error_response(out.message, 400)
+        return Response(content="Cache flushed.\n", status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_route():
+        if metrics is None:
+            return error_response("metrics are disabled; start the server with --enable-metrics", 404)
+        try:
+            metrics.observe_scheduler(await tm.get_load())
+        except asyncio.TimeoutError:
+            pass
+        return Response(content=metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+class GuardMiddleware:
+    """Pure ASGI (streams and client disconnects pass through untouched): rejects oversized
+    bodies (413) and, with --api-key, requests without the bearer token (401), except /health."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        length = headers.get("content-length", "")
+        reject = None
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            reject = error_response(f"request body larger than {MAX_BODY_BYTES} bytes", 413)
+        elif self.api_key and scope.get("path") != "/health" and headers.get("authorization") != f"Bearer {self.api_key}":
+            reject = error_response("Incorrect or missing API key (Authorization: Bearer ...).", 401,
+                                    "authentication_error", code="invalid_api_key")
+        if reject is not None:
+            return await reject(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _native_requests(body: dict) -> tuple[list[GenerateRequest], bool]:
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    unknown = sorted(set(body) - _GENERATE_KEYS)
+    if unknown:
+        raise RequestError(f"unknown field(s) {unknown}", param=unknown[0])
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise RequestError("exactly one of text or input_ids is required", param="text")
+    if text is not None:
+        single = isinstance(text, str)
+        prompts = [{"text": t} for t in ([text] if single else text)]
+    else:
+        single = bool(ids) and all(isinstance(t, int) for t in ids)
+        prompts = [{"input_ids": x} for x in ([ids] if single else ids)]
+    if not prompts:
+        raise RequestError("no prompts given", param="text")
+    sp = body.get("sampling_params") or {}
+    sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+    if len(sps) != len(prompts):
+        raise RequestError(f"{len(sps)} sampling_params for {len(prompts)} prompts", param="sampling_params")
+    rid = body.get("rid")
+    rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+    reqs = [GenerateRequest(text=p.get("text"), input_ids=p.get("input_ids"), sampling_params=s,
+                            return_logprob=bool(body.get("return_logprob", False)),
+                            logprob_start_len=int(body.get("logprob_start_len", -1)),
+                            top_logprobs_num=int(body.get("top_logprobs_num", 0) or 0),
+                            stream=bool(body.get("stream", False)), rid=r if single or isinstance(rid, list) else None)
+            for p, s, r in zip(prompts, sps, rids)]
+    return reqs, single
+
+
+async def _native_stream(tm: TokenizerManager, req: GenerateRequest, prepared):
+    """Upstream /generate streaming: each event carries the whole text so far."""
+    try:
+        async for update in tm.generate(req, prepared):
+            yield sse(update["result"])
+    except RequestError as e:
+        yield sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.code}})
+    yield SSE_DONE

@@ -1,0 +1,147 @@
+"""Start the server: scheduler process per TP rank + detokenizer process + HTTP in this process.
+
+Children die with the server (PR_SET_PDEATHSIG); if any child dies, the server logs which one
+and exits non-zero instead of hanging; Ctrl-C / SIGTERM stop everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+
+from sglang import __version__
+from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.utils.common import configure_logger
+from sglang.srt.utils.ipc import PortArgs
+
+logger = logging.getLogger("sglang.launch_server")
+
+STARTUP_TIMEOUT_S = 600
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _check_model(sa: ServerArgs):
+    """Fail fast, in the launcher, on a bad model path / config / architecture."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.models.registry import resolve_model_class
+
+    try:
+        mc = ModelConfig(sa.model_path, sa.dtype, sa.context_length, sa.json_model_override_args,
+                         sa.trust_remote_code)
+        resolve_model_class(mc.architecture)
+    except (ValueError, FileNotFoundError) as e:
+        flag = "context_length" if "--context-length" in str(e) else "model_path"
+        raise ServerArgsError(flag, str(e).replace("--context-length ", "")) from None
+    if mc.hf_config.num_attention_heads % sa.tp_size:
+        raise ServerArgsError("tp_size", f"{sa.tp_size} does not divide num_attention_heads "
+                                         f"{mc.hf_config.num_attention_heads}")
+    return mc
+
+
+def _start_children(sa: ServerArgs, port_args: PortArgs) -> tuple[list, dict]:
+    from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+    from sglang.srt.managers.scheduler_process import run_scheduler_process
+
+    ctx = mp.get_context("spawn")
+    procs, readers = [], []
+    for rank in range(sa.tp_size):
+        reader, writer = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=run_scheduler_process, args=(sa, port_args, rank, writer), daemon=True,
+                        name=f"scheduler-TP{rank}")
+        p.start()
+        procs.append(p)
+        readers.append(reader)
+    detok = ctx.Process(target=run_detokenizer_process, args=(sa, port_args), daemon=True, name="detokenizer")
+    detok.start()
+    procs.append(detok)
+
+    infos: list[dict | None] = [None] * len(readers)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while any(i is None for i in infos):
+        for rank, reader in enumerate(readers):
+            if infos[rank] is None and reader.poll(0.2):
+                msg = reader.recv()
+                if msg.get("status") != "ready":
+                    raise LaunchError(f"scheduler TP{rank} failed to start: {msg.get('message')}")
+                infos[rank] = msg
+        dead = [p for p in procs if not p.is_alive()]
+        if dead:
+            raise LaunchError(f"{dead[0].name} exited with code {dead[0].exitcode} during start-up")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"scheduler not ready after {STARTUP_TIMEOUT_S}s")
+    return procs, infos[0]
+
+
+def _kill(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def _watchdog(procs: list) -> None:
+    """A dead child means the server cannot serve: exit non-zero instead of hanging."""
+    while True:
+        for p in procs:
+            if not p.is_alive():
+                logger.error("%s died (exit code %s); shutting the server down", p.name, p.exitcode)
+                _kill(procs)
+                os._exit(1)
+        time.sleep(0.5)
+
+
+def launch_server(server_args: ServerArgs) -> int:
+    import uvicorn
+
+    from sglang.srt.entrypoints.http_server import create_app
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.metrics.collector import MetricsCollector
+
+    sa = server_args.resolve()
+    configure_logger(sa.log_level)
+    mc = _check_model(sa)
+    shown = {k: v for k, v in dataclasses.asdict(sa).items() if k != "api_key"}
+    logger.info("sglang %s, %s (%s); server_args=%s", __version__, mc.architecture, mc.dtype, shown)
+    port_args = PortArgs.init_new()
+    procs: list = []
+    try:
+        procs, info = _start_children(sa, port_args)
+        info["architecture"] = mc.architecture
+        logger.info("KV cache capacity: %d tokens (page size %d), max running requests %d, context length %d",
+                    info["max_total_num_tokens"], info["page_size"], info["max_running_requests"],
+                    info["context_len"])
+        metrics = MetricsCollector(sa.served_model_name) if sa.enable_metrics else None
+        tm = TokenizerManager(sa, port_args, info, metrics)
+        app = create_app(tm, sa, metrics, __version__)
+        threading.Thread(target=_watchdog, args=(procs,), daemon=True).start()
+        logger.info("serving on http://%s:%d", sa.host, sa.port)
+        config = uvicorn.Config(app, host=sa.host, port=sa.port, log_level=sa.log_level if sa.log_level != "debug"
+                                else "debug", timeout_keep_alive=5, access_log=sa.log_requests)
+        server = uvicorn.Server(config)
+        server.run()
+        return 0 if server.started else 1
+    finally:
+        _kill(procs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        sa = prepare_server_args(argv)
+        return launch_server(sa)
+    except (ServerArgsError, LaunchError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ServerArgsError) else 1
+    except KeyboardInterrupt:
+        return 130

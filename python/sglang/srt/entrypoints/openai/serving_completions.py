@@ -1,0 +1,153 @@
+"""/v1/completions."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from sglang.srt.entrypoints.openai.protocol import CompletionRequest, finish_reason_of, make_id, now_s, usage_of
+from sglang.srt.entrypoints.openai.utils import (
+    SSE_DONE,
+    abort_error,
+    check_model,
+    merge_streams,
+    request_error_response,
+    sse,
+    token_text,
+)
+from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
+
+MAX_LOGPROBS = 20
+
+
+def _prompts(prompt) -> list[dict]:
+    """Normalise OpenAI's prompt forms to [{'text': ...} | {'input_ids': [...]}]."""
+    if isinstance(prompt, str):
+        return [{"text": prompt}]
+    if not prompt:
+        raise RequestError("prompt must not be empty", param="prompt")
+    if all(isinstance(x, int) for x in prompt):
+        return [{"input_ids": list(prompt)}]
+    if all(isinstance(x, str) for x in prompt):
+        return [{"text": x} for x in prompt]
+    if all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in prompt):
+        return [{"input_ids": list(x)} for x in prompt]
+    raise RequestError("prompt must be a string, a list of strings, or token ids", param="prompt")
+
+
+class CompletionHandler:
+    def __init__(self, tm: TokenizerManager, served_model_name: str) -> None:
+        self.tm, self.served_model_name = tm, served_model_name
+
+    def _build(self, req: CompletionRequest) -> list[tuple[GenerateRequest, tuple, int]]:
+        check_model(self.served_model_name, req.model)
+        if req.n < 1:
+            raise RequestError("n must be at least 1", param="n")
+        if req.best_of is not None and req.best_of != req.n:
+            raise RequestError("best_of other than n is not supported", param="best_of")
+        if req.suffix:
+            raise RequestError("suffix is not supported", param="suffix")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+        want_lp = req.logprobs is not None
+        out = []
+        for pi, p in enumerate(_prompts(req.prompt)):
+            base = GenerateRequest(
+                text=p.get("text"), input_ids=p.get("input_ids"), sampling_params=req.sampling_params(req.max_tokens),
+                return_logprob=want_lp, logprob_start_len=0 if (want_lp and req.echo) else -1,
+                top_logprobs_num=req.logprobs or 0, stream=req.stream)
+            prepared = self.tm.prepare(base)
+            for j in range(req.n):
+                rid = f"{prepared[0]}-{j}" if req.n > 1 else (req.rid or prepared[0])
+                out.append((base, (rid, prepared[1], prepared[2]), pi))
+        return out
+
+    # -- logprobs ---------------------------------------------------------------------------------
+    def _logprobs(self, meta: dict, start_out: int, echo_prompt: bool, text_offset0: int) -> dict:
+        tok = self.tm.tokenizer
+        items = []
+        if echo_prompt:
+            items += list(zip(meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs") or []))
+        outs = meta.get("output_token_logprobs") or []
+        tops = meta.get("output_top_logprobs") or [None] * len(outs)
+        items += list(zip(outs[start_out:], tops[start_out:]))
+        res = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = text_offset0
+        for (lp, tid, _), top in items:
+            t = token_text(tok, tid)
+            res["tokens"].append(t)
+            res["token_logprobs"].append(lp)
+            res["top_logprobs"].append({token_text(tok, i): v for v, i, _ in top} if top else None)
+            res["text_offset"].append(offset)
+            offset += len(t)
+        return res
+
+    # -- non-streaming ----------------------------------------------------------------------------
+    async def handle(self, req: CompletionRequest, raw: Request):
+        try:
+            items = self._build(req)
+        except RequestError as e:
+            return request_error_response(e)
+        if req.stream:
+            return StreamingResponse(self._stream(req, items), media_type="text/event-stream")
+        import asyncio
+
+        results = await asyncio.gather(*[
+            self.tm.generate_full(base, prepared, raw.is_disconnected) for base, prepared, _ in items])
+        aborted = abort_error(results)
+        if aborted is not None:
+            return aborted
+        choices = []
+        for idx, ((base, prepared, pi), res) in enumerate(zip(items, results)):
+            res["meta_info"]["prompt_index"] = pi
+            prompt_text = (base.text if base.text is not None else self.tm.tokenizer.decode(prepared[1])) if req.echo else ""
+            choice = {"index": idx, "text": prompt_text + res["text"], "logprobs": None,
+                      "finish_reason": finish_reason_of(res["meta_info"])}
+            if req.logprobs is not None:
+                choice["logprobs"] = self._logprobs(res["meta_info"], 0, req.echo, 0)
+            _attach_matched_stop(choice, res["meta_info"])
+            choices.append(choice)
+        return JSONResponse({
+            "id": make_id("cmpl"), "object": "text_completion", "created": now_s(), "model": req.model,
+            "choices": choices, "usage": usage_of(results).model_dump(),
+        })
+
+    # -- streaming -----------------------------------------------------------------------------------
+    async def _stream(self, req: CompletionRequest, items):
+        cid, created = make_id("cmpl"), now_s()
+        sent_lp = [0] * len(items)
+        first = [True] * len(items)
+        finals: dict[int, dict] = {}
+        streams = [self.tm.generate(base, prepared) for base, prepared, _ in items]
+        try:
+            async for idx, update in merge_streams(streams):
+                base, prepared, pi = items[idx]
+                res = update["result"]
+                meta = res["meta_info"]
+                text = update["text_delta"]
+                if first[idx] and req.echo:
+                    text = (base.text if base.text is not None else self.tm.tokenizer.decode(prepared[1])) + text
+                choice = {"index": idx, "text": text, "logprobs": None, "finish_reason": finish_reason_of(meta)}
+                if req.logprobs is not None:
+                    choice["logprobs"] = self._logprobs(meta, sent_lp[idx], req.echo and first[idx], 0)
+                    sent_lp[idx] = len(meta.get("output_token_logprobs") or [])
+                first[idx] = False
+                if choice["finish_reason"] is not None:
+                    meta["prompt_index"] = pi
+                    finals[idx] = res
+                    _attach_matched_stop(choice, meta)
+                if text or choice["finish_reason"] is not None or choice["logprobs"]:
+                    yield sse({"id": cid, "object": "text_completion", "created": created, "model": req.model,
+                               "choices": [choice]})
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse({"id": cid, "object": "text_completion", "created": created, "model": req.model,
+                           "choices": [], "usage": usage_of(list(finals.values())).model_dump()})
+        except RequestError as e:
+            yield sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.code}})
+        yield SSE_DONE
+
+
+def _attach_matched_stop(choice: dict, meta: dict) -> None:
+    fr = meta.get("finish_reason") or {}
+    if "matched" in fr:
+        choice["matched_stop"] = fr["matched"]

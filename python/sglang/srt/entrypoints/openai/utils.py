@@ -1,0 +1,106 @@
+"""Shared helpers of the OpenAI-compatible handlers: errors, SSE, fan-out of n choices."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse
+
+from sglang.srt.managers.tokenizer_manager import RequestError
+
+
+def error_response(message: str, status_code: int = 400, err_type: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status_code)
+
+
+def request_error_response(e: RequestError) -> JSONResponse:
+    return error_response(e.message, e.status_code, e.err_type, e.param, e.code)
+
+
+def abort_error(results: list[dict]) -> JSONResponse | None:
+    """A request the scheduler refused or aborted becomes an error response, not a choice."""
+    for r in results:
+        fr = r["meta_info"].get("finish_reason") or {}
+        if fr.get("type") == "abort":
+            return error_response(fr.get("message", "request aborted"), fr.get("status_code", 400))
+    return None
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def check_model(served_name: str, requested: str | None) -> None:
+    if requested not in (None, "", "default", served_name):
+        raise RequestError(f"The model `{requested}` does not exist; this server serves `{served_name}`.",
+                           status_code=404, param="model", code="model_not_found")
+
+
+async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+    """Interleave several request streams as (index, update); cancels the rest on exit."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[dict]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except Exception as e:  # surface the error to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+                continue
+            if isinstance(item, Exception):
+                raise item
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token's text; a token that is not valid UTF-8 alone (byte-level BPE) is spelled
+    `bytes:\\xe2\\x80` as OpenAI does, so distinct tokens never share a key."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" in text:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in token_bytes(tokenizer, token_id))
+    return text
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-level alphabet (printable stand-ins for the 256 byte values)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def token_bytes(tokenizer, token_id: int) -> list[int]:
+    """The token's raw bytes (byte-level BPE tokens can be partial UTF-8 sequences)."""
+    tok = tokenizer.convert_ids_to_tokens(token_id)
+    dec = _byte_decoder()
+    if isinstance(tok, str) and tok and all(ch in dec for ch in tok):
+        return [dec[ch] for ch in tok]
+    return list(token_text(tokenizer, token_id).encode("utf-8"))

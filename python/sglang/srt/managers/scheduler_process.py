@@ -1,0 +1,119 @@
+"""The scheduler process: receives requests over ZMQ, steps the Scheduler, ships outputs.
+
+Rank 0 owns the sockets; with TP it broadcasts each iteration's received messages to the other
+ranks, so every rank schedules the same batches. Outputs go to the detokenizer; control replies
+(flush, stats) go straight back to the tokenizer manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+import zmq
+
+from sglang.srt.distributed.parallel_state import init_distributed
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    GetLoadReq,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.tokenizer_utils import load_tokenizer
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.common import configure_logger
+from sglang.srt.utils.ipc import PortArgs, get_zmq_socket, kill_itself_when_parent_died
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 1000
+
+
+class SchedulerProcess:
+    def __init__(self, scheduler: Scheduler, port_args: PortArgs, tp_rank: int) -> None:
+        self.scheduler, self.tp_rank = scheduler, tp_rank
+        self.tp_group = scheduler.model_runner.tp_group
+        if tp_rank == 0:
+            ctx = zmq.Context(2)
+            self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, True)
+            self.send_to_detokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, False)
+            self.send_to_tokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc_name, False)
+
+    def recv_requests(self, block: bool) -> list:
+        msgs = []
+        if self.tp_rank == 0:
+            if block:
+                self.recv_from_tokenizer.poll(IDLE_POLL_MS)  # sleep until a message (or timeout)
+            while True:
+                try:
+                    msgs.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
+                except zmq.ZMQError:
+                    break
+        return self.tp_group.broadcast_object(msgs) if not self.tp_group.is_single else msgs
+
+    def process(self, msg) -> list:
+        s = self.scheduler
+        if isinstance(msg, TokenizedGenerateReqInput):
+            return s.add_request(msg)
+        if isinstance(msg, AbortReq):
+            return s.abort_request(msg.rid)
+        if isinstance(msg, FlushCacheReq):
+            self.reply(s.flush_cache())
+        elif isinstance(msg, GetLoadReq):
+            self.reply(s.get_stats())
+        else:
+            logger.error("unknown message %r", type(msg))
+        return []
+
+    def reply(self, obj) -> None:
+        if self.tp_rank == 0:
+            self.send_to_tokenizer.send_pyobj(obj)
+
+    def ship(self, outputs: list) -> None:
+        if outputs and self.tp_rank == 0:
+            self.send_to_detokenizer.send_pyobj(BatchTokenIDOut(outputs))
+
+    def event_loop(self) -> None:
+        while True:
+            outputs = []
+            for msg in self.recv_requests(block=not self.scheduler.has_work()):
+                outputs += self.process(msg)
+            if self.scheduler.has_work():
+                outputs += self.scheduler.step()
+            self.ship(outputs)
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe_writer) -> None:
+    kill_itself_when_parent_died()
+    configure_logger(server_args.log_level, prefix=f" TP{tp_rank}")
+    if server_args.device == "cpu":
+        import torch
+
+        # Ranks share the cores: oversubscribed OpenMP threads spin and slow everyone down.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // server_args.tp_size))
+    try:
+        tp_group = init_distributed(server_args.tp_size, tp_rank, port_args.dist_init_method)
+        tokenizer = load_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+        scheduler = Scheduler(server_args, tokenizer=tokenizer, tp_group=tp_group)
+        proc = SchedulerProcess(scheduler, port_args, tp_rank)
+        pipe_writer.send({
+            "status": "ready",
+            "max_total_num_tokens": scheduler.max_total_num_tokens,
+            "max_running_requests": scheduler.max_running_requests,
+            "context_len": scheduler.context_len,
+            "page_size": scheduler.page_size,
+            "vocab_size": scheduler.vocab_size,
+        })
+    except Exception as e:  # start-up failure: tell the launcher why, then exit non-zero
+        msg = f"{type(e).__name__}: {e}"
+        logger.error("scheduler start-up failed: %s\n%s", msg, traceback.format_exc())
+        pipe_writer.send({"status": "error", "message": msg})
+        os._exit(1)
+    try:
+        proc.event_loop()
+    except BaseException:
+        logger.error("scheduler crashed:\n%s", traceback.format_exc())
+        os._exit(1)

@@ -1,0 +1,165 @@
+"""Bad input gets an OpenAI-shaped JSON error with a 4xx status, and the server keeps serving;
+bad flags fail at start-up naming the flag; a dead child process takes the server down."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import psutil
+import pytest
+import requests
+
+from sglang.srt.testing.server import ServerProcess
+
+MODEL = "builtin:tiny-deepseek-v32"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(MODEL, "--max-total-tokens", "8192", "--api-key", "sk-test", "--enable-metrics") as s:
+        yield s
+
+
+def _auth():
+    return {"Authorization": "Bearer sk-test"}
+
+
+def _ok(server):
+    r = requests.post(server.base_url + "/v1/completions", headers=_auth(),
+                      json={"model": "default", "prompt": "hello", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["text"]) > 0
+
+
+BAD_REQUESTS = [
+    # (path, body or raw bytes, expected status, expected param or None)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "max_tokens": -5}, 400, "max_new_tokens"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "temperature": "hot"}, 422, "temperature"),
+    ("/v1/completions", {"model": "default"}, 422, "prompt"),
+    ("/v1/completions", {"model": "default", "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": "default", "prompt": [999999]}, 400, "input_ids"),
+    ("/v1/completions", {"model": "default", "prompt": "word " * 5000, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "default", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/generate", {"text": "x", "sampling_params": {"temprature": 0.5}}, 400, None),
+    ("/generate", {"sampling_params": {}}, 400, "text"),
+    ("/generate", {"text": "x", "bogus": 1}, 400, "bogus"),
+    ("/no/such/route", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_request_gets_openai_error_and_server_keeps_serving(server, path, body, status, param):
+    kw = {"data": body, "headers": {**_auth(), "content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body, "headers": _auth()}
+    r = requests.post(server.base_url + path, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    _ok(server)
+
+
+def test_oversized_body_is_413(server):
+    r = requests.post(server.base_url + "/v1/completions", headers={**_auth(), "content-type": "application/json"},
+                      data=b" " * (33 * 2**20))
+    assert r.status_code == 413
+    _ok(server)
+
+
+def test_api_key_required_everywhere_but_health(server):
+    assert requests.get(server.base_url + "/health").status_code == 200
+    for method, path in [("get", "/v1/models"), ("post", "/v1/completions"), ("get", "/get_model_info"),
+                         ("get", "/metrics"), ("post", "/generate"), ("get", "/get_server_info")]:
+        r = getattr(requests, method)(server.base_url + path, json={})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        r = getattr(requests, method)(server.base_url + path, json={}, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong")
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    assert openai.OpenAI(base_url=server.base_url + "/v1", api_key="sk-test").models.list().data
+
+
+def test_metrics(server):
+    _ok(server)
+    text = requests.get(server.base_url + "/metrics", headers=_auth()).text
+    for name in ("sglang:num_requests_total", "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
+                 "sglang:time_to_first_token_seconds_bucket", "sglang:time_per_output_token_seconds_bucket",
+                 "sglang:token_usage", "sglang:cache_hit_rate", "sglang:max_total_num_tokens"):
+        assert name in text, name
+
+
+def _launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sglang.launch_server", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--model-path", MODEL, "--port", "0"], "--port"),
+    (["--model-path", MODEL, "--page-size", "3"], "--page-size"),
+    (["--model-path", MODEL, "--mem-fraction-static", "1.5"], "--mem-fraction-static"),
+    (["--model-path", MODEL, "--json-model-override-args", "{bad"], "--json-model-override-args"),
+    (["--model-path", MODEL, "--tp-size", "3"], "--tp-size"),
+    (["--model-path", MODEL, "--chunked-prefill-size", "0"], "--chunked-prefill-size"),
+    (["--model-path", MODEL, "--schedule-policy", "random"], "--schedule-policy"),
+    (["--model-path", MODEL, "--device", "cuda"], "--device"),
+    (["--model-path", MODEL, "--nsa-index-k-dtype", "int4"], "--nsa-index-k-dtype"),
+    (["--model-path", MODEL, "--context-length", "999999"], "--context-length"),
+    (["--model-path", "/no/such/model"], "/no/such/model"),
+    (["--model-path", "builtin:no-such"], "no-such"),
+    (["--model-path", MODEL, "--bogus-flag"], "--bogus-flag"),
+    ([], "--model-path"),
+])
+def test_bad_flags_fail_at_start_naming_the_flag(args, flag):
+    r = _launch(*args)
+    assert r.returncode != 0
+    assert flag in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def test_killing_the_scheduler_takes_the_server_down():
+    s = ServerProcess(MODEL, "--max-total-tokens", "4096")
+    try:
+        kids = _children(s.proc.pid)
+        scheds = [k for k in kids if "run_scheduler_process" in " ".join(k.cmdline()) or k.name() == "python"]
+        assert kids
+        # the scheduler is the child holding the model: the largest resident set
+        victim = max(kids, key=lambda k: k.memory_info().rss)
+        os.kill(victim.pid, signal.SIGKILL)
+        rc = s.proc.wait(timeout=30)
+        assert rc != 0
+        time.sleep(1)
+        assert not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]  # no orphans
+        assert "died" in s.log()
+    finally:
+        s.stop()
+
+
+def test_sigterm_stops_server_and_children():
+    s = ServerProcess(MODEL, "--max-total-tokens", "4096")
+    kids = _children(s.proc.pid)
+    s.proc.send_signal(signal.SIGTERM)
+    s.proc.wait(timeout=30)
+    time.sleep(1)
+    assert not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
+    s.stop()

@@ -1,0 +1,134 @@
+"""Scheduler behaviour through the real server: concurrency, abort, radix cache, chunked prefill.
+After every scenario the KV pool must be whole again: free + cached == capacity, nothing locked."""
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+
+from sglang.srt.testing.server import ServerProcess
+
+MODEL = "builtin:tiny-deepseek-v32"
+CAPACITY = 8192
+
+
+def _kv_whole(server: ServerProcess) -> dict:
+    st = server.wait_idle()
+    assert st["kv_protected_tokens"] == 0, st
+    assert st["kv_free_tokens"] + st["kv_cached_tokens"] == st["kv_total_tokens"] == CAPACITY, st
+    assert st["kv_leak"] is None, st
+    return st
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(MODEL, "--max-total-tokens", str(CAPACITY), "--random-seed", "0") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def chunked_server():
+    # Small chunks, mixed prefill/decode batches and lpm ordering: different schedules, same tokens.
+    with ServerProcess(MODEL, "--max-total-tokens", str(CAPACITY), "--chunked-prefill-size", "16",
+                       "--enable-mixed-chunk", "--schedule-policy", "lpm", "--page-size", "4",
+                       "--random-seed", "0") as s:
+        yield s
+
+
+def _prompt(i: int) -> str:
+    return f"Request number {i}: " + " ".join(["alpha", "beta", "gamma", "delta"][j % 4] for j in range(i % 13 + 3))
+
+
+def _complete(base_url: str, prompt: str, max_tokens: int = 16) -> str:
+    r = requests.post(base_url + "/v1/completions", json={"model": "default", "prompt": prompt,
+                                                          "max_tokens": max_tokens, "temperature": 0,
+                                                          "ignore_eos": True}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_64_concurrent_clients_equal_sequential(server):
+    prompts = [_prompt(i) for i in range(64)]
+    sequential = [_complete(server.base_url, p) for p in prompts[:16]]
+    requests.post(server.base_url + "/flush_cache")
+    with ThreadPoolExecutor(64) as pool:
+        concurrent = list(pool.map(lambda p: _complete(server.base_url, p), prompts))
+    assert concurrent[:16] == sequential
+    # and the rest agree with a sequential rerun
+    assert [_complete(server.base_url, p) for p in prompts[16:24]] == concurrent[16:24]
+    _kv_whole(server)
+
+
+def test_abort_mid_stream_frees_every_slot(server):
+    before = _kv_whole(server)
+    body = {"model": "default", "prompt": "count forever:", "max_tokens": 3000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    chunks = 0
+    with requests.post(server.base_url + "/v1/completions", json=body, stream=True, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith(b"data: {"):
+                chunks += 1
+            if chunks >= 5:
+                break  # drop the connection mid-stream
+    assert chunks == 5
+    st = _kv_whole(server)
+    assert st["num_running_reqs"] == 0
+    # non-streaming client that goes away: the request is aborted too
+    def short_lived():
+        try:
+            requests.post(server.base_url + "/v1/completions", json={**body, "stream": False}, timeout=1.5)
+        except requests.exceptions.ReadTimeout:
+            pass
+    short_lived()
+    _kv_whole(server)
+    assert before["kv_total_tokens"] == st["kv_total_tokens"]
+
+
+def test_radix_hit_equals_cold(server):
+    prompt = "A long shared system prompt. " * 12 + "Now answer:"
+    requests.post(server.base_url + "/flush_cache")
+    cold = requests.post(server.base_url + "/generate", json={"text": prompt, "sampling_params": {
+        "max_new_tokens": 20, "temperature": 0}}).json()
+    warm = requests.post(server.base_url + "/generate", json={"text": prompt, "sampling_params": {
+        "max_new_tokens": 20, "temperature": 0}}).json()
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert warm["meta_info"]["cached_tokens"] == warm["meta_info"]["prompt_tokens"] - 1
+    assert warm["text"] == cold["text"] and warm["output_ids"] == cold["output_ids"]
+    _kv_whole(server)
+
+
+def test_chunked_mixed_paged_equals_default(server, chunked_server):
+    prompts = ["Long context " * 30 + "end.", _prompt(5), _prompt(11), "x " * 70]
+    ref = [_complete(server.base_url, p, 20) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: _complete(chunked_server.base_url, p, 20), prompts))
+    assert got == ref
+    st = chunked_server.wait_idle()
+    assert st["kv_protected_tokens"] == 0 and st["kv_leak"] is None
+
+
+def test_flush_cache_refused_while_running(server):
+    body = {"text": "busy " * 5, "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    t = threading.Thread(target=requests.post, args=(server.base_url + "/generate",), kwargs={"json": body})
+    t.start()
+    deadline = time.monotonic() + 10
+    while server.internal_state()["num_running_reqs"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    r = requests.post(server.base_url + "/flush_cache")
+    assert r.status_code == 400 and "running" in r.json()["error"]["message"]
+    t.join()
+    assert requests.post(server.base_url + "/flush_cache").status_code == 200
+    st = server.wait_idle()
+    assert st["kv_free_tokens"] == CAPACITY and st["kv_cached_tokens"] == 0
+
+
+def test_request_that_can_never_fit_is_400(server):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="default", prompt=[5] * 4000, max_tokens=200)
+    assert "context length" in str(e.value)
+    assert _complete(server.base_url, "still serving")  # and the server keeps serving

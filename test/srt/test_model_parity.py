@@ -99,3 +99,28 @@ def test_plain_and_absorbed_mla_paths_agree(model_case):
     absorbed = _prefill_all_logits(_engine(path, 1, mla_attn_path="absorbed"), prompts)
     for a, b in zip(plain, absorbed):
         assert (a - b).abs().max().item() < LOGIT_ATOL, name
+
+
+@pytest.mark.parametrize("chunked_prefill_size", [-1, 16])
+def test_prompt_logprobs_match_reference(model_case, chunked_prefill_size):
+    """Input-token logprobs (logprob_start_len) equal log_softmax of the reference logits, also
+    across chunked-prefill boundaries; output logprobs equal the reference's next-token logprob."""
+    name, path, hf = model_case
+    engine = _engine(path, 1, chunked_prefill_size=chunked_prefill_size)
+    prompt = _prompts(4)[3]
+    ref = torch.log_softmax(hf_prefill_logits(hf, prompt), dim=-1)
+    for start in (0, 37):
+        out = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 1},
+                              return_logprob=True, logprob_start_len=start, top_logprobs_num=2)
+        lps = out["meta_info"]["input_token_logprobs"]
+        first = max(start, 1)
+        assert len(lps) == len(prompt) - start
+        if start == 0:
+            assert lps[0][0] is None and lps[0][1] == prompt[0]
+            lps = lps[1:]
+        expect = [ref[p - 1, prompt[p]].item() for p in range(first, len(prompt))]
+        got = [lp for lp, _, _ in lps]
+        assert max(abs(a - b) for a, b in zip(got, expect)) < LOGIT_ATOL, (name, start)
+        (lp, tid, _), = out["meta_info"]["output_token_logprobs"]
+        assert tid == int(ref[-1].argmax()) and abs(lp - ref[-1].max().item()) < LOGIT_ATOL
+        assert engine.scheduler.kv_leak_report() is None

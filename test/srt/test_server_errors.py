@@ -141,7 +141,6 @@ def test_killing_the_scheduler_takes_the_server_down():
     s = ServerProcess(MODEL, "--max-total-tokens", "4096")
     try:
         kids = _children(s.proc.pid)
-        scheds = [k for k in kids if "run_scheduler_process" in " ".join(k.cmdline()) or k.name() == "python"]
         assert kids
         # the scheduler is the child holding the model: the largest resident set
         victim = max(kids, key=lambda k: k.memory_info().rss)
@@ -161,5 +160,17 @@ def test_sigterm_stops_server_and_children():
     s.proc.send_signal(signal.SIGTERM)
     s.proc.wait(timeout=30)
     time.sleep(1)
+    assert not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
+    s.stop()
+
+
+def test_children_die_with_a_killed_server():
+    s = ServerProcess(MODEL, "--max-total-tokens", "4096")
+    kids = _children(s.proc.pid)
+    os.kill(s.proc.pid, signal.SIGKILL)
+    s.proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]:
+        time.sleep(0.2)
     assert not [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
     s.stop()

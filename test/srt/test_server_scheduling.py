@@ -132,3 +132,34 @@ def test_request_that_can_never_fit_is_400(server):
         client.completions.create(model="default", prompt=[5] * 4000, max_tokens=200)
     assert "context length" in str(e.value)
     assert _complete(server.base_url, "still serving")  # and the server keeps serving
+
+
+def test_requests_wait_when_kv_is_short():
+    """16 requests needing ~3x the KV pool at once: they queue / retract, none fails, and each
+    output equals its solo run."""
+    with ServerProcess(MODEL, "--max-total-tokens", "640", "--random-seed", "0") as small:
+        prompts = [_prompt(i) + " and more words" * 6 for i in range(16)]
+        solo = [_complete(small.base_url, p, 96) for p in prompts[:4]]
+        with ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(lambda p: _complete(small.base_url, p, 96), prompts))
+        assert together[:4] == solo
+        st = small.wait_idle()
+        assert st["kv_protected_tokens"] == 0 and st["kv_leak"] is None
+        assert st["kv_free_tokens"] + st["kv_cached_tokens"] == 640
+
+
+def test_eos_stop_token_ids_and_ignore_eos(server):
+    url = server.base_url + "/generate"
+    eos = 1  # the builtin tokenizer's <|end_of_text|>
+    force_eos = {"temperature": 0, "max_new_tokens": 10, "logit_bias": {str(eos): 100.0}}
+    r = requests.post(url, json={"text": "hi", "sampling_params": force_eos}).json()
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos} and r["output_ids"] == [eos]
+    assert r["text"] == ""
+    r = requests.post(url, json={"text": "hi", "sampling_params": {**force_eos, "ignore_eos": True}}).json()
+    assert r["meta_info"]["finish_reason"]["type"] == "length" and r["output_ids"] == [eos] * 10
+    r = requests.post(url, json={"text": "hi", "sampling_params": {**force_eos, "min_new_tokens": 4}}).json()
+    assert len(r["output_ids"]) == 5 and r["output_ids"][-1] == eos
+    tok = 300
+    r = requests.post(url, json={"text": "hi", "sampling_params": {
+        "temperature": 0, "max_new_tokens": 10, "logit_bias": {str(tok): 100.0}, "stop_token_ids": [tok]}}).json()
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok} and r["output_ids"] == [tok]

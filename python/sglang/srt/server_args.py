@@ -51,8 +51,10 @@ class ServerArgs:
     device: str = _f("auto", "Device; auto = cuda when available, else cpu.", "runtime", DEVICE_CHOICES)
     tp_size: int = _f(1, "Tensor parallel size.", "runtime")
     random_seed: int | None = _f(None, "Seed for sampling without a per-request seed.", "runtime")
-    disable_cuda_graph: bool = _f(False, "Disable CUDA graphs for decode.", "runtime")
-    cuda_graph_max_bs: int = _f(160, "Largest decode batch captured in a CUDA graph.", "runtime")
+    disable_cuda_graph: bool = _f(False, "Disable CUDA graphs for decode (accepted for compatibility: this "
+                                  "build has no CUDA graph runner yet, decode runs eagerly).", "runtime")
+    cuda_graph_max_bs: int = _f(160, "Largest decode batch captured in a CUDA graph (see --disable-cuda-graph).",
+                                "runtime")
 
     # -- memory -----------------------------------------------------------------------------
     mem_fraction_static: float = _f(0.85, "Fraction of GPU memory for weights + KV cache.", "memory")
@@ -77,7 +79,8 @@ class ServerArgs:
 
     # -- logging ------------------------------------------------------------------------------
     log_level: str = _f("info", "Log level.", "logging", LOG_LEVELS)
-    log_requests: bool = _f(False, "Log every request's metadata.", "logging")
+    log_requests: bool = _f(False, "Log every request's metadata (id, token counts, sampling params, latency) "
+                            "and the HTTP access log.", "logging")
 
     # -- NSA / DSA ------------------------------------------------------------------------------
     nsa_index_k_dtype: str = _f("fp8_e4m3", "Indexer K cache dtype: fp8_e4m3 (+ fp32 scales, like upstream), "

@@ -89,7 +89,7 @@ class SchedulerProcess:
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe_writer) -> None:
     kill_itself_when_parent_died()
     configure_logger(server_args.log_level, prefix=f" TP{tp_rank}")
-    if server_args.device == "cpu":
+    if server_args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         import torch
 
         # Ranks share the cores: oversubscribed OpenMP threads spin and slow everyone down.

@@ -175,6 +175,9 @@ class TokenizerManager:
         self.states[rid] = state
         if self.metrics is not None:
             self.metrics.observe_request(len(ids))
+        if self.server_args.log_requests:
+            logger.info("request %s: %d prompt tokens, sampling %s, logprob=%s stream=%s", rid, len(ids),
+                        sp.to_dict(), req.return_logprob, req.stream)
         await self.send_to_scheduler.send_pyobj(TokenizedGenerateReqInput(
             rid, ids, sp, req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.stream, req.text))
         try:
@@ -198,6 +201,10 @@ class TokenizerManager:
         finally:
             if state.finished:
                 self.states.pop(rid, None)
+                if self.server_args.log_requests:
+                    m = state.meta
+                    logger.info("finished %s: %s, %d completion tokens, %d cached, %.3fs", rid, m["finish_reason"],
+                                m["completion_tokens"], m["cached_tokens"], m.get("e2e_latency", 0.0))
 
     def abort(self, rid: str) -> None:
         """Ask the scheduler to drop `rid`; its final (abort) output will clean up the state."""

@@ -88,6 +88,15 @@ class ServerArgs:
                                 "nsa", INDEX_K_DTYPES)
     nsa_prefill_backend: str = _f("torch", "Sparse attention kernels for prefill.", "nsa", NSA_BACKENDS)
     nsa_decode_backend: str = _f("torch", "Sparse attention kernels for decode.", "nsa", NSA_BACKENDS)
+    nsa_index_topk_freq: int | None = _f(None, "IndexCache: run the DSA indexer every N layers; the layers between "
+                                         "reuse the previous top-k (1 = every layer; default: the checkpoint's).",
+                                         "nsa")
+    nsa_index_topk_offset: int | None = _f(None, "IndexCache: layer offset of the skip formula "
+                                           "max(layer - offset + 1, 0) % freq (> 0; default 2).", "nsa")
+    nsa_index_topk_pattern: str | None = _f(None, "IndexCache: explicit per-layer schedule, one 'F' (full) or 'S' "
+                                            "(shared) per layer; excludes --nsa-index-topk-freq.", "nsa")
+    enable_two_batch_overlap: bool = _f(False, "Two-batch overlap (TBO) of compute and expert-parallel communication.",
+                                        "nsa")
     mla_attn_path: str = _f("auto", "MLA formulation: auto (plain for prefill, absorbed for decode), "
                             "or force one (debug / equivalence tests).", "nsa", MLA_PATHS)
 
@@ -229,6 +238,15 @@ def _check_logging(args: ServerArgs) -> None:
 def _check_nsa(args: ServerArgs) -> None:
     for name in ("nsa_index_k_dtype", "nsa_prefill_backend", "nsa_decode_backend", "mla_attn_path"):
         _choice(args, name)
+    _positive(args, "nsa_index_topk_freq")
+    _positive(args, "nsa_index_topk_offset")
+    if args.nsa_index_topk_pattern is not None:
+        bad = sorted(set(args.nsa_index_topk_pattern) - {"F", "S"})
+        if bad or not args.nsa_index_topk_pattern:
+            raise ServerArgsError("nsa_index_topk_pattern", f"must be a non-empty string of 'F' and 'S', got "
+                                  f"{args.nsa_index_topk_pattern!r}")
+        if args.nsa_index_topk_freq is not None:
+            raise ServerArgsError("nsa_index_topk_pattern", "conflicts with --nsa-index-topk-freq; give one schedule")
 
 
 _VALIDATORS = [_check_model, _check_runtime, _check_memory, _check_scheduling, _check_http, _check_logging,

@@ -8,6 +8,12 @@ from typing import Any
 
 import torch
 
+from sglang.srt.configs.index_layers import (
+    IndexLayerSchedule,
+    IndexScheduleError,
+    config_index_settings,
+    resolve_index_layer_schedule,
+)
 from sglang.srt.utils.common import str_to_dtype
 
 logger = logging.getLogger(__name__)
@@ -50,6 +56,9 @@ class ModelConfig:
         context_length: int | None = None,
         json_model_override_args: str | dict | None = None,
         trust_remote_code: bool = False,
+        index_topk_freq: int | None = None,
+        index_topk_offset: int | None = None,
+        index_topk_pattern: str | None = None,
     ) -> None:
         from sglang.srt.model_loader.builtin import resolve_model_path
 
@@ -59,6 +68,7 @@ class ModelConfig:
         if isinstance(overrides, str):
             overrides = json.loads(overrides) if overrides.strip() else {}
         self.overrides = overrides
+        checkpoint_index_settings = config_index_settings(self.hf_config)
         apply_overrides(self.hf_config, overrides)
 
         cfg = self.hf_config
@@ -80,6 +90,19 @@ class ModelConfig:
         self.qk_rope_head_dim: int = int(getattr(cfg, "qk_rope_head_dim", 0) or 0)
         self.index_head_dim: int = int(getattr(cfg, "index_head_dim", 0) or 0) if self.is_dsa else 0
         self.index_topk: int = int(getattr(cfg, "index_topk", 2048) or 2048) if self.is_dsa else 0
+        self.index_layer_schedule: IndexLayerSchedule | None = None
+        if self.is_dsa:
+            flags = {"index_topk_freq": index_topk_freq, "index_skip_topk_offset": index_topk_offset,
+                     "index_topk_pattern": index_topk_pattern}
+            self.index_layer_schedule = resolve_index_layer_schedule(
+                self.num_hidden_layers, [("flags", flags), ("overrides", overrides),
+                                         ("config", checkpoint_index_settings)])
+            # Everything downstream reads the resolved schedule from the config.
+            cfg.index_layer_schedule = self.index_layer_schedule
+            cfg.indexer_types = self.index_layer_schedule.indexer_types()
+        elif any(v is not None for v in (index_topk_freq, index_topk_offset, index_topk_pattern)):
+            raise IndexScheduleError("index_topk_freq", f"IndexCache needs a DSA model; {self.architecture} has "
+                                     "no indexer")
         self.quant_config: dict | None = getattr(cfg, "quantization_config", None)
         if self.quant_config is not None and not isinstance(self.quant_config, dict):
             self.quant_config = self.quant_config.to_dict()
@@ -96,3 +119,42 @@ class ModelConfig:
             return str_to_dtype(cfg_dtype)
         return torch.bfloat16
 
+
+
+_SCHEDULE_FLAGS = {"index_topk_freq": "nsa_index_topk_freq", "index_skip_topk_offset": "nsa_index_topk_offset",
+                   "index_topk_pattern": "nsa_index_topk_pattern", "indexer_types": "json_model_override_args"}
+
+
+def model_config_from_server_args(sa) -> "ModelConfig":
+    """Build the ModelConfig for a ServerArgs and check the combinations that need the model
+    (IndexCache schedule, TP divisibility, TBO); errors name the flag (ServerArgsError)."""
+    from sglang.srt.server_args import ServerArgsError
+
+    try:
+        mc = ModelConfig(sa.model_path, sa.dtype, sa.context_length, sa.json_model_override_args,
+                         sa.trust_remote_code, sa.nsa_index_topk_freq, sa.nsa_index_topk_offset,
+                         sa.nsa_index_topk_pattern)
+    except IndexScheduleError as e:
+        raise ServerArgsError(_SCHEDULE_FLAGS.get(e.key, "json_model_override_args"), e.reason) from None
+    except (ValueError, FileNotFoundError) as e:
+        flag = "context_length" if "--context-length" in str(e) else "model_path"
+        raise ServerArgsError(flag, str(e).replace("--context-length ", "")) from None
+    from sglang.srt.models.registry import resolve_model_class
+
+    try:
+        resolve_model_class(mc.architecture)
+    except ValueError as e:
+        raise ServerArgsError("model_path", str(e)) from None
+    heads = mc.hf_config.num_attention_heads
+    if heads % sa.tp_size:
+        raise ServerArgsError("tp_size", f"{sa.tp_size} does not divide num_attention_heads {heads}")
+    if sa.enable_two_batch_overlap:
+        if mc.index_layer_schedule is not None and mc.index_layer_schedule.shares:
+            raise ServerArgsError(
+                "enable_two_batch_overlap",
+                f"cannot be combined with IndexCache top-k sharing (schedule {mc.index_layer_schedule.describe()}): "
+                "the overlapped op path does not carry top-k indices across layers, so shared layers would run "
+                "sparse attention with no indices. Use --nsa-index-topk-freq 1 or drop two-batch overlap.")
+        raise ServerArgsError("enable_two_batch_overlap", "two-batch overlap is not implemented in this build "
+                              "(it overlaps expert-parallel all-to-all, which needs several GPUs)")
+    return mc

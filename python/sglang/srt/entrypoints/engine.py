@@ -11,7 +11,7 @@ import logging
 import uuid
 from typing import Any, Iterator
 
-from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.configs.model_config import model_config_from_server_args
 from sglang.srt.managers.detokenizer_manager import DecodeState
 from sglang.srt.managers.io_struct import ReqOutput, TokenizedGenerateReqInput
 from sglang.srt.managers.request_state import RequestState
@@ -46,8 +46,7 @@ class Engine:
         configure_logger(log_level)
         self.server_args = ServerArgs.from_kwargs(log_level=log_level, **kwargs).resolve()
         sa = self.server_args
-        self.model_config = ModelConfig(sa.model_path, sa.dtype, sa.context_length, sa.json_model_override_args,
-                                        sa.trust_remote_code)
+        self.model_config = model_config_from_server_args(sa)
         self.tokenizer = load_tokenizer(sa.tokenizer_path if sa.tokenizer_path != sa.model_path
                                         else self.model_config.model_path, sa.trust_remote_code)
         self.scheduler = Scheduler(sa, self.model_config, self.tokenizer)

@@ -29,21 +29,10 @@ class LaunchError(RuntimeError):
 
 
 def _check_model(sa: ServerArgs):
-    """Fail fast, in the launcher, on a bad model path / config / architecture."""
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.models.registry import resolve_model_class
+    """Fail fast, in the launcher, on a bad model path / config / architecture / combination."""
+    from sglang.srt.configs.model_config import model_config_from_server_args
 
-    try:
-        mc = ModelConfig(sa.model_path, sa.dtype, sa.context_length, sa.json_model_override_args,
-                         sa.trust_remote_code)
-        resolve_model_class(mc.architecture)
-    except (ValueError, FileNotFoundError) as e:
-        flag = "context_length" if "--context-length" in str(e) else "model_path"
-        raise ServerArgsError(flag, str(e).replace("--context-length ", "")) from None
-    if mc.hf_config.num_attention_heads % sa.tp_size:
-        raise ServerArgsError("tp_size", f"{sa.tp_size} does not divide num_attention_heads "
-                                         f"{mc.hf_config.num_attention_heads}")
-    return mc
+    return model_config_from_server_args(sa)
 
 
 def _start_children(sa: ServerArgs, port_args: PortArgs) -> tuple[list, dict]:

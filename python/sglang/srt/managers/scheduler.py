@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.configs.model_config import ModelConfig, model_config_from_server_args
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
 from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
@@ -41,9 +41,7 @@ class Scheduler:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None, tokenizer=None,
                  tp_group: GroupCoordinator = SINGLE_GROUP) -> None:
         self.server_args = server_args
-        self.model_config = model_config or ModelConfig(
-            server_args.model_path, server_args.dtype, server_args.context_length,
-            server_args.json_model_override_args, server_args.trust_remote_code)
+        self.model_config = model_config or model_config_from_server_args(server_args)
         torch.manual_seed(server_args.random_seed)
         self.tokenizer = tokenizer
         self.model_runner = ModelRunner(self.model_config, server_args, tp_group)

@@ -20,9 +20,10 @@ from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-# CPU has no memory profiler worth trusting for a KV budget: cap the default pool so tests and
-# tiny models do not allocate gigabytes of zeros. --max-total-tokens overrides it.
-CPU_DEFAULT_MAX_TOTAL_TOKENS = 65536
+# CPU has no memory profiler worth trusting for a KV budget: a fixed byte budget (capped by free
+# RAM) keeps tests and tiny models from allocating gigabytes of zeros, and still converts to more
+# tokens when a token needs fewer bytes (IndexCache). --max-total-tokens overrides it.
+CPU_KV_BUDGET_BYTES = 256 * 2**20
 CPU_KV_MEMORY_FRACTION = 0.25
 
 
@@ -47,10 +48,9 @@ class ModelRunner:
                                     index_layer_ids=self.index_layer_ids(), **common)
         return MLATokenToKVPool(**common)
 
-    def index_layer_ids(self) -> list[int] | None:
-        """Layers that run the DSA indexer (own an index-K buffer)."""
-        layers = self.model.model.layers
-        return [i for i, layer in enumerate(layers) if layer.self_attn.indexer is not None]
+    def index_layer_ids(self) -> list[int]:
+        """Layers that run the DSA indexer and so own an index-K buffer (IndexCache full layers)."""
+        return self.model_config.index_layer_schedule.full_layer_ids
 
     def _bytes_per_token(self) -> int:
         probe = self._make_kv_pool(self.page_size)
@@ -64,8 +64,8 @@ class ModelRunner:
             if budget <= 0:
                 raise RuntimeError("not enough GPU memory left for the KV cache; raise --mem-fraction-static")
             return int(budget // per_token)
-        budget = psutil.virtual_memory().available * CPU_KV_MEMORY_FRACTION
-        return int(min(budget // per_token, CPU_DEFAULT_MAX_TOTAL_TOKENS))
+        budget = min(psutil.virtual_memory().available * CPU_KV_MEMORY_FRACTION, CPU_KV_BUDGET_BYTES)
+        return int(budget // per_token)
 
     def init_memory_pool(self) -> None:
         sa, mc = self.server_args, self.model_config
@@ -82,6 +82,14 @@ class ModelRunner:
         logger.info("KV cache: %d tokens (page size %d, %.3f GiB, %d B/token), max running requests %d",
                     tokens, self.page_size, kv_gib, self.token_to_kv_pool.kv_bytes_per_token(),
                     self.max_running_requests)
+        sched = mc.index_layer_schedule
+        if sched is not None and sched.shares:
+            pool = self.token_to_kv_pool
+            saved = (sched.num_layers - len(sched.full_layer_ids)) * pool.index_bytes_per_token
+            logger.info("IndexCache %s (%d of %d layers run the indexer): index K kept for full layers only, "
+                        "%d B/token saved (%.1f%% of the KV bytes per token it would take)", sched.describe(),
+                        len(sched.full_layer_ids), sched.num_layers, saved,
+                        100.0 * saved / (pool.kv_bytes_per_token() + saved))
 
     # -- forward ----------------------------------------------------------------------------------
     @torch.inference_mode()

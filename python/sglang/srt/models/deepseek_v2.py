@@ -15,9 +15,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from sglang.srt.configs.index_layers import get_index_layer_schedule
 from sglang.srt.configs.model_config import rope_parameters_of
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
 from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.attention.nsa import utils as nsa_utils
 from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
@@ -176,9 +178,11 @@ class DeepseekV2AttentionMLA(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
 
-        topk_indices = prev_topk_indices
+        topk_indices = prev_topk_indices  # a shared IndexCache layer reuses the previous layer's top-k
         if self.indexer is not None:
             topk_indices = self.indexer(hidden_states, q_lora, positions, forward_batch)
+        elif topk_indices is not None and nsa_utils.DEBUG_CHECKS:
+            nsa_utils.assert_topk_matches_batch(topk_indices, forward_batch, self.layer_id)
         attn = forward_batch.attn_backend.forward_mla(
             self, q_nope, q_rope, latent, k_rope, forward_batch, topk_indices=topk_indices)
         return self.o_proj(attn.reshape(t, self.num_local_heads * self.v_head_dim)), topk_indices
@@ -319,6 +323,9 @@ class DeepseekV2ForCausalLM(nn.Module):
         m = re.match(r"^model\.layers\.(\d+)\.", name)
         if m and self.num_layers <= int(m.group(1)) < self.num_layers + self.num_nextn_layers:
             return True
+        if m and ".self_attn.indexer." in name and int(m.group(1)) < self.num_layers:
+            # Checkpoints may ship indexer weights for layers IndexCache makes shared: unused.
+            return not type(self).uses_indexer(self.config, int(m.group(1)))
         return name.endswith("rotary_emb.inv_freq")
 
     @torch.no_grad()
@@ -396,7 +403,8 @@ class DeepseekV32ForCausalLM(DeepseekV2ForCausalLM):
 
     @classmethod
     def uses_indexer(cls, config, layer_id: int) -> bool:
-        return True
+        """Full IndexCache layers run the indexer; shared ones reuse the previous top-k."""
+        return get_index_layer_schedule(config).full[layer_id]
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

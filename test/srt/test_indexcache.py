@@ -4,6 +4,8 @@ same "full"/"shared" schedule) is the oracle on the same tiny weights."""
 import subprocess
 import sys
 
+import os
+
 import pytest
 import torch
 
@@ -37,8 +39,12 @@ def ckpt(tmp_path_factory):
     return make
 
 
+# SGLANG_TEST_DEVICE=cuda runs our side on a GPU (the reference stays on CPU in fp32).
+DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
+
+
 def _engine(path, **kw):
-    return Engine(model_path=path, dtype="float32", device="cpu", max_total_tokens=4096,
+    return Engine(model_path=path, dtype="float32", device=DEVICE, max_total_tokens=4096,
                   nsa_index_k_dtype="float32", random_seed=0, **kw)
 
 
@@ -52,8 +58,8 @@ def _logits(engine, prompts):
         mr.req_to_token_pool.write(s, 0, loc[off : off + n])
         off += n
     fb = ForwardBatch.build(ForwardMode.EXTEND, sum(prompts, []), slots, [0] * len(lens), lens, loc,
-                            return_all_logits=True)
-    out = mr.forward(fb).full_logits
+                            device=mr.device, return_all_logits=True)
+    out = mr.forward(fb).full_logits.cpu()
     mr.token_to_kv_pool_allocator.free(loc)
     mr.req_to_token_pool.free(slots)
     return list(out.split(lens))

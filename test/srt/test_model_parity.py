@@ -5,6 +5,8 @@ magnitude ~3; the bound below leaves headroom for BLAS differences across machin
 catching any real mistake (a wrong rope layout or a dropped token moves logits by >1e-2).
 """
 
+import os
+
 import pytest
 import torch
 
@@ -29,8 +31,12 @@ def model_case(request, builtin_path):
     return request.param, path, load_hf_reference(path)
 
 
+# SGLANG_TEST_DEVICE=cuda runs our side on a GPU (the reference stays on CPU in fp32).
+DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
+
+
 def _engine(path: str, page_size: int, **kw) -> Engine:
-    return Engine(model_path=path, dtype="float32", device="cpu", page_size=page_size, max_total_tokens=4096,
+    return Engine(model_path=path, dtype="float32", device=DEVICE, page_size=page_size, max_total_tokens=4096,
                   nsa_index_k_dtype="float32", random_seed=0, **kw)
 
 
@@ -45,8 +51,8 @@ def _prefill_all_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.
         mr.req_to_token_pool.write(s, 0, loc[off : off + n])
         off += n
     fb = ForwardBatch.build(ForwardMode.EXTEND, sum(prompts, []), slots, [0] * len(lens), lens, loc,
-                            return_all_logits=True)
-    logits = mr.forward(fb).full_logits
+                            device=mr.device, return_all_logits=True)
+    logits = mr.forward(fb).full_logits.cpu()
     mr.token_to_kv_pool_allocator.free(loc)
     mr.req_to_token_pool.free(slots)
     return list(logits.split(lens))
@@ -124,3 +130,16 @@ def test_prompt_logprobs_match_reference(model_case, chunked_prefill_size):
         (lp, tid, _), = out["meta_info"]["output_token_logprobs"]
         assert tid == int(ref[-1].argmax()) and abs(lp - ref[-1].max().item()) < LOGIT_ATOL
         assert engine.scheduler.kv_leak_report() is None
+
+
+def test_query_chunked_prefill_matches_reference(model_case, monkeypatch):
+    """Long prefills split each request's queries into score blocks; tiny blocks give the same logits."""
+    from sglang.srt.layers.attention.nsa import nsa_backend
+
+    name, path, hf = model_case
+    monkeypatch.setattr(nsa_backend, "SCORE_BLOCK_ELEMS", 3000)  # a few queries per block
+    assert nsa_backend.query_chunk(4, 100) == 7
+    prompts = _prompts()
+    for mla_path in ("plain", "absorbed"):
+        for prompt, ours in zip(prompts, _prefill_all_logits(_engine(path, 1, mla_attn_path=mla_path), prompts)):
+            assert (ours - hf_prefill_logits(hf, prompt)).abs().max().item() < LOGIT_ATOL, (name, mla_path)

@@ -22,6 +22,7 @@ LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 INDEX_K_DTYPES = ["fp8_e4m3", "bfloat16", "float32"]
 NSA_BACKENDS = ["torch"]
 MLA_PATHS = ["auto", "plain", "absorbed"]
+LOAD_FORMATS = ["auto", "safetensors", "dummy"]
 
 
 class ServerArgsError(ValueError):
@@ -46,6 +47,9 @@ class ServerArgs:
                                     "model")
     json_model_override_args: str = _f("", "JSON object merged into the HF config.", "model")
     served_model_name: str | None = _f(None, "Model name reported by the API (default: model path).", "model")
+    load_format: str = _f("auto", "auto/safetensors: load the checkpoint's weights; dummy: random weights from "
+                          "config.json alone (benchmarks of real shapes without the checkpoint).", "model",
+                          LOAD_FORMATS)
 
     # -- runtime ----------------------------------------------------------------------------
     device: str = _f("auto", "Device; auto = cuda when available, else cpu.", "runtime", DEVICE_CHOICES)
@@ -182,6 +186,7 @@ def _check_model(args: ServerArgs) -> None:
     if not args.model_path:
         raise ServerArgsError("model_path", "is required (an HF model directory or builtin:NAME)")
     _choice(args, "dtype")
+    _choice(args, "load_format")
     _positive(args, "context_length")
     if args.json_model_override_args.strip():
         try:

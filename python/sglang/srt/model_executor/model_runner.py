@@ -33,7 +33,7 @@ class ModelRunner:
         self.model_config, self.server_args, self.tp_group = model_config, server_args, tp_group
         self.device = server_args.device
         self.page_size = server_args.page_size
-        self.model = get_model(model_config, self.device, tp_group)
+        self.model = get_model(model_config, self.device, tp_group, server_args.load_format)
         self.sampler = Sampler()
         self.init_memory_pool()
         self.attn_backend = NativeSparseAttnBackend(self.token_to_kv_pool, server_args.mla_attn_path)

@@ -31,11 +31,32 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def get_model(model_config: ModelConfig, device: str = "cpu", tp_group: GroupCoordinator = SINGLE_GROUP) -> nn.Module:
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights for --load-format dummy: N(0, std) matrices, unit norm scales, zero biases."""
+    gens: dict[str, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            g = gens.setdefault(str(p.device), torch.Generator(device=p.device).manual_seed(seed))
+            p.copy_(torch.randn(p.shape, generator=g, device=p.device).mul_(std).to(p.dtype))
+        elif name.endswith("bias") or "e_score_correction_bias" in name:
+            p.zero_()
+        else:
+            p.fill_(1.0)
+
+
+def get_model(model_config: ModelConfig, device: str = "cpu", tp_group: GroupCoordinator = SINGLE_GROUP,
+              load_format: str = "auto") -> nn.Module:
     cls = resolve_model_class(model_config.architecture)
     t0 = time.perf_counter()
     with default_dtype(model_config.dtype), torch.device(device):
         model = cls(model_config.hf_config, max_position=model_config.context_len, tp_group=tp_group)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+        model.post_load_weights()
+        logger.info("initialised %s with random (dummy) weights in %.1fs", model_config.architecture,
+                    time.perf_counter() - t0)
+        return model.eval()
     skip = getattr(model, "_ignored_weight", lambda name: False)
     # Drop unused tensors (e.g. the NextN layer) before dequantising them.
     weights = ((n, t) for n, t in iter_safetensors_weights(model_config.model_path) if not skip(n))

@@ -18,6 +18,13 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 MLA_PATHS = ("auto", "plain", "absorbed")
+# Queries of one request are processed in chunks so a [heads, chunk, kv_len] score block stays
+# within this many elements (long prefills would otherwise need O(L^2) memory).
+SCORE_BLOCK_ELEMS = 2**26
+
+
+def query_chunk(num_heads: int, kv_len: int) -> int:
+    return max(1, SCORE_BLOCK_ELEMS // max(num_heads * kv_len, 1))
 
 
 @dataclass
@@ -101,20 +108,29 @@ class NativeSparseAttnBackend(AttentionBackend):
             s, e = md.starts[i], md.extend_lens[i]
             if e == 0:
                 continue
-            topk = topk_indices[s : s + e] if topk_indices is not None else None
-            fn = self._extend_absorbed if absorbed else self._extend_plain
-            out[s : s + e] = fn(layer, q_nope[s : s + e], q_rope[s : s + e], md, i, topk)
+            latent, k_rope = self.pool.get_mla_kv(layer.layer_id, md.kv_indices[i])  # [L, c], [L, r]
+            kv = None if absorbed else self._expand_kv(layer, latent, q_nope.dtype)
+            step = query_chunk(layer.num_local_heads, md.seq_lens[i])
+            for c in range(0, e, step):
+                rows = slice(s + c, s + min(c + step, e))
+                topk = topk_indices[rows] if topk_indices is not None else None
+                mask = self._extend_mask(md, i, c, rows.stop - rows.start, topk, q_nope.device)
+                if absorbed:
+                    out[rows] = self._attend_absorbed(layer, q_nope[rows], q_rope[rows], latent, k_rope, mask)
+                else:
+                    out[rows] = self._attend_plain(layer, q_nope[rows], q_rope[rows], kv, k_rope, mask)
         return out
 
     # -- masks -----------------------------------------------------------------------------------
     @staticmethod
-    def _extend_mask(md: NSAMetadata, i: int, topk: torch.Tensor | None, device) -> torch.Tensor:
-        e, pl, L = md.extend_lens[i], md.prefix_lens[i], md.seq_lens[i]
-        qpos = torch.arange(pl, pl + e, device=device)
-        mask = torch.arange(L, device=device)[None, :] <= qpos[:, None]  # causal
+    def _extend_mask(md: NSAMetadata, i: int, q_off: int, n: int, topk: torch.Tensor | None, device) -> torch.Tensor:
+        """[n, L] allowed keys of request i's queries q_off .. q_off + n (causal, and top-k if any)."""
+        pl, L = md.prefix_lens[i], md.seq_lens[i]
+        qpos = torch.arange(pl + q_off, pl + q_off + n, device=device)
+        mask = torch.arange(L, device=device)[None, :] <= qpos[:, None]
         if topk is not None:
             mask &= topk_to_mask(topk, L)
-        return mask  # [E, L]
+        return mask
 
     @staticmethod
     def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -122,25 +138,27 @@ class NativeSparseAttnBackend(AttentionBackend):
         return torch.softmax(scores, dim=-1)
 
     # -- plain (MHA) path ---------------------------------------------------------------------
-    def _extend_plain(self, layer, q_nope, q_rope, md: NSAMetadata, i: int, topk) -> torch.Tensor:
-        latent, k_rope = self.pool.get_mla_kv(layer.layer_id, md.kv_indices[i])  # [L, c], [L, r]
-        kv = torch.nn.functional.linear(latent.to(q_nope.dtype), layer.kv_b_proj.weight)
+    @staticmethod
+    def _expand_kv(layer, latent: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = torch.nn.functional.linear(latent.to(dtype), layer.kv_b_proj.weight)
         kv = kv.view(latent.shape[0], layer.num_local_heads, layer.qk_nope_head_dim + layer.v_head_dim)
         k_nope, v = kv.split([layer.qk_nope_head_dim, layer.v_head_dim], dim=-1)
+        return k_nope, v
+
+    def _attend_plain(self, layer, q_nope, q_rope, kv, k_rope, mask) -> torch.Tensor:
+        k_nope, v = kv
         scores = torch.einsum("ehd,lhd->hel", q_nope, k_nope)
         scores = scores + torch.einsum("ehr,lr->hel", q_rope, k_rope.to(q_rope.dtype))
-        scores = scores * layer.scaling
-        probs = self._softmax(scores, self._extend_mask(md, i, topk, q_nope.device)[None])
+        probs = self._softmax(scores * layer.scaling, mask[None])
         return torch.einsum("hel,lhv->ehv", probs.to(v.dtype), v)
 
     # -- absorbed (MQA) path ------------------------------------------------------------------
-    def _extend_absorbed(self, layer, q_nope, q_rope, md: NSAMetadata, i: int, topk) -> torch.Tensor:
-        latent, k_rope = self.pool.get_mla_kv(layer.layer_id, md.kv_indices[i])
+    def _attend_absorbed(self, layer, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
         w_kc, w_vc = layer.absorbed_weights()
         q_lat = torch.einsum("ehn,hnc->ehc", q_nope, w_kc)
         scores = torch.einsum("ehc,lc->hel", q_lat, latent.to(q_lat.dtype))
         scores = scores + torch.einsum("ehr,lr->hel", q_rope, k_rope.to(q_rope.dtype))
-        probs = self._softmax(scores * layer.scaling, self._extend_mask(md, i, topk, q_nope.device)[None])
+        probs = self._softmax(scores * layer.scaling, mask[None])
         o_lat = torch.einsum("hel,lc->ehc", probs.to(q_lat.dtype), latent.to(q_lat.dtype))
         return torch.einsum("ehc,hvc->ehv", o_lat, w_vc)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sglang.srt.layers.attention.nsa.nsa_backend import query_chunk
 from sglang.srt.layers.attention.nsa.quant import fp8_round_trip, hadamard_rotate
 from sglang.srt.layers.layernorm import LayerNorm
 from sglang.srt.layers.linear import ReplicatedLinear
@@ -106,9 +107,12 @@ def compute_topk(layer_id: int, q: torch.Tensor, weights: torch.Tensor, softmax_
             pos = positions[s : s + e, None]
             out[s : s + e] = torch.where(ar[None, :] <= pos, ar[None, :], -1)
             continue
-        kk = pool.get_index_k(layer_id, md.kv_indices[i])  # [L, D] fp32
-        scores = index_scores(q[s : s + e], kk[None], weights[s : s + e], softmax_scale)
-        causal = torch.arange(L, device=q.device)[None, :] <= positions[s : s + e, None]
-        vals, idx = scores.masked_fill(~causal, float("-inf")).topk(topk, dim=-1)
-        out[s : s + e] = torch.where(torch.isinf(vals), -1, idx).to(torch.int32)
+        kk = pool.get_index_k(layer_id, md.kv_indices[i])[None]  # [1, L, D] fp32
+        keys = torch.arange(L, device=q.device)[None, :]
+        step = query_chunk(q.shape[1], L)
+        for c in range(s, s + e, step):
+            rows = slice(c, min(c + step, s + e))
+            scores = index_scores(q[rows], kk, weights[rows], softmax_scale)
+            vals, idx = scores.masked_fill(keys > positions[rows, None], float("-inf")).topk(topk, dim=-1)
+            out[rows] = torch.where(torch.isinf(vals), -1, idx).to(torch.int32)
     return out

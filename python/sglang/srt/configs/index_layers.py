@@ -62,6 +62,27 @@ class IndexLayerSchedule:
         return "".join("F" if f else "S" for f in self.full)
 
 
+@dataclass(frozen=True)
+class LayerIndexRole:
+    """What one attention layer does with top-k (upstream's skip_topk / next_skip_topk)."""
+
+    has_indexer: bool  # owns indexer weights and an index-K buffer
+    skip_topk: bool  # reuses the previous layer's top-k when one is given
+    next_skip_topk: bool  # the next layer reuses this layer's top-k (so pass it on)
+
+
+NO_INDEXER = LayerIndexRole(False, False, False)
+
+
+def layer_index_role(schedule: IndexLayerSchedule, layer_id: int, is_nextn: bool = False) -> LayerIndexRole:
+    """The NextN/MTP layer always owns an indexer: it runs it when no previous top-k is given
+    (a draft forward of its own) and, with sharing on, reuses one when given."""
+    if is_nextn:
+        return LayerIndexRole(True, schedule.shares, schedule.shares)
+    full = schedule.full[layer_id]
+    return LayerIndexRole(full, not full, schedule.next_skip_topk(layer_id))
+
+
 def _from_pattern(pattern: Any, num_layers: int, key: str) -> tuple[bool, ...]:
     if isinstance(pattern, str):
         bad = sorted(set(pattern) - {"F", "S"})

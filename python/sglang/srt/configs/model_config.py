@@ -59,6 +59,7 @@ class ModelConfig:
         index_topk_freq: int | None = None,
         index_topk_offset: int | None = None,
         index_topk_pattern: str | None = None,
+        is_draft_model: bool = False,
     ) -> None:
         from sglang.srt.model_loader.builtin import resolve_model_path
 
@@ -76,6 +77,9 @@ class ModelConfig:
         if not archs:
             raise ValueError(f"config.json at {self.model_path} has no 'architectures' entry")
         self.architecture: str = archs[0]
+        self.is_draft_model = is_draft_model
+        if is_draft_model and not self.architecture.endswith("NextN"):
+            self.architecture += "NextN"  # the checkpoint's MTP layer, as its own one-layer model
         self.dtype: torch.dtype = self._resolve_dtype(dtype)
         max_pos = int(getattr(cfg, "max_position_embeddings", 4096))
         if context_length is not None and context_length > max_pos:
@@ -85,7 +89,7 @@ class ModelConfig:
         self.vocab_size: int = int(cfg.vocab_size)
         self.hidden_size: int = int(cfg.hidden_size)
         self.num_hidden_layers: int = int(cfg.num_hidden_layers)
-        self.is_dsa: bool = self.architecture in DSA_ARCHITECTURES
+        self.is_dsa: bool = self.architecture.removesuffix("NextN") in DSA_ARCHITECTURES
         self.kv_lora_rank: int = int(getattr(cfg, "kv_lora_rank", 0) or 0)
         self.qk_rope_head_dim: int = int(getattr(cfg, "qk_rope_head_dim", 0) or 0)
         self.index_head_dim: int = int(getattr(cfg, "index_head_dim", 0) or 0) if self.is_dsa else 0
@@ -100,7 +104,12 @@ class ModelConfig:
             # Everything downstream reads the resolved schedule from the config.
             cfg.index_layer_schedule = self.index_layer_schedule
             cfg.indexer_types = self.index_layer_schedule.indexer_types()
-        elif any(v is not None for v in (index_topk_freq, index_topk_offset, index_topk_pattern)):
+        # The KV pool layout: every decoder layer has MLA KV; index K only where the indexer runs.
+        self.num_kv_layers = 1 if is_draft_model else self.num_hidden_layers
+        self.kv_index_layer_ids: list[int] = []
+        if self.is_dsa:
+            self.kv_index_layer_ids = [0] if is_draft_model else self.index_layer_schedule.full_layer_ids
+        if not self.is_dsa and any(v is not None for v in (index_topk_freq, index_topk_offset, index_topk_pattern)):
             raise IndexScheduleError("index_topk_freq", f"IndexCache needs a DSA model; {self.architecture} has "
                                      "no indexer")
         self.quant_config: dict | None = getattr(cfg, "quantization_config", None)

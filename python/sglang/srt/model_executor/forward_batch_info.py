@@ -63,6 +63,8 @@ class ForwardBatch:
 
     sampling_info: "SamplingBatchInfo | None" = None
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+    # Speculative decoding: the target's hidden states the NextN draft layer consumes ([T, H]).
+    spec_hidden_states: torch.Tensor | None = None
 
     # Set by the model runner.
     req_to_token_pool: Any = None

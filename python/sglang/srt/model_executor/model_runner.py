@@ -42,15 +42,11 @@ class ModelRunner:
     def _make_kv_pool(self, size: int):
         mc = self.model_config
         common = dict(size=size, page_size=self.page_size, dtype=mc.dtype, kv_lora_rank=mc.kv_lora_rank,
-                      qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=mc.num_hidden_layers, device=self.device)
+                      qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=mc.num_kv_layers, device=self.device)
         if mc.is_dsa:
             return NSATokenToKVPool(index_head_dim=mc.index_head_dim, index_k_dtype=self.server_args.nsa_index_k_dtype,
-                                    index_layer_ids=self.index_layer_ids(), **common)
+                                    index_layer_ids=mc.kv_index_layer_ids, **common)
         return MLATokenToKVPool(**common)
-
-    def index_layer_ids(self) -> list[int]:
-        """Layers that run the DSA indexer and so own an index-K buffer (IndexCache full layers)."""
-        return self.model_config.index_layer_schedule.full_layer_ids
 
     def _bytes_per_token(self) -> int:
         probe = self._make_kv_pool(self.page_size)
@@ -83,7 +79,7 @@ class ModelRunner:
                     tokens, self.page_size, kv_gib, self.token_to_kv_pool.kv_bytes_per_token(),
                     self.max_running_requests)
         sched = mc.index_layer_schedule
-        if sched is not None and sched.shares:
+        if sched is not None and sched.shares and not mc.is_draft_model:
             pool = self.token_to_kv_pool
             saved = (sched.num_layers - len(sched.full_layer_ids)) * pool.index_bytes_per_token
             logger.info("IndexCache %s (%d of %d layers run the indexer): index K kept for full layers only, "

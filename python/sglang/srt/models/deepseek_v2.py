@@ -15,7 +15,12 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from sglang.srt.configs.index_layers import get_index_layer_schedule
+from sglang.srt.configs.index_layers import (
+    NO_INDEXER,
+    LayerIndexRole,
+    get_index_layer_schedule,
+    layer_index_role,
+)
 from sglang.srt.configs.model_config import rope_parameters_of
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
 from sglang.srt.layers.activation import SiluAndMul
@@ -102,10 +107,11 @@ class DeepseekV2MoE(nn.Module):
 
 
 class DeepseekV2AttentionMLA(nn.Module):
-    def __init__(self, config, layer_id: int, indexer_rope_interleaved: bool, use_indexer: bool,
+    def __init__(self, config, layer_id: int, indexer_rope_interleaved: bool, index_role: LayerIndexRole,
                  max_position: int, tp_group: GroupCoordinator = SINGLE_GROUP, dtype=None) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.skip_topk, self.next_skip_topk = index_role.skip_topk, index_role.next_skip_topk
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
         tp = tp_group.world_size
@@ -144,7 +150,7 @@ class DeepseekV2AttentionMLA(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.qk_rope_head_dim, max_position, rope_params, interleaved=True,
                                           max_position_embeddings=mpe)
         self.indexer = None
-        if use_indexer:
+        if index_role.has_indexer:
             if not self.q_lora_rank:
                 raise ValueError("the DSA indexer needs q_lora_rank (it reads the q LoRA output)")
             idx_rope = RotaryEmbedding(self.qk_rope_head_dim, max_position, rope_params,
@@ -178,24 +184,30 @@ class DeepseekV2AttentionMLA(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
 
-        topk_indices = prev_topk_indices  # a shared IndexCache layer reuses the previous layer's top-k
-        if self.indexer is not None:
+        # IndexCache: a shared layer reuses the previous layer's top-k; the NextN layer computes
+        # its own when none is given. Top-k is passed on only if the next layer reuses it.
+        topk_indices = prev_topk_indices
+        if self.indexer is not None and not (self.skip_topk and prev_topk_indices is not None):
             topk_indices = self.indexer(hidden_states, q_lora, positions, forward_batch)
         elif topk_indices is not None and nsa_utils.DEBUG_CHECKS:
             nsa_utils.assert_topk_matches_batch(topk_indices, forward_batch, self.layer_id)
         attn = forward_batch.attn_backend.forward_mla(
             self, q_nope, q_rope, latent, k_rope, forward_batch, topk_indices=topk_indices)
-        return self.o_proj(attn.reshape(t, self.num_local_heads * self.v_head_dim)), topk_indices
+        out = self.o_proj(attn.reshape(t, self.num_local_heads * self.v_head_dim))
+        return out, topk_indices if self.next_skip_topk else None
 
 
 class DeepseekV2DecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, arch: "type[DeepseekV2ForCausalLM]", max_position: int,
-                 tp_group: GroupCoordinator = SINGLE_GROUP, dtype=None) -> None:
+                 tp_group: GroupCoordinator = SINGLE_GROUP, dtype=None, is_nextn: bool = False,
+                 kv_layer_id: int | None = None) -> None:
+        """`layer_id`: the checkpoint layer (MoE / IndexCache role); `kv_layer_id`: the layer's slot
+        in its KV pool (differs for the NextN layer, whose draft pool has one layer)."""
         super().__init__()
         self.layer_id = layer_id
         self.self_attn = DeepseekV2AttentionMLA(
-            config, layer_id, arch.indexer_rope_interleaved, arch.uses_indexer(config, layer_id), max_position,
-            tp_group, dtype)
+            config, layer_id if kv_layer_id is None else kv_layer_id, arch.indexer_rope_interleaved,
+            arch.index_role(config, layer_id, is_nextn), max_position, tp_group, dtype)
         if is_moe_layer(config, layer_id):
             self.mlp = DeepseekV2MoE(config, tp_group, dtype)
         else:
@@ -222,8 +234,9 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 def is_moe_layer(config, layer_id: int) -> bool:
     types = getattr(config, "mlp_layer_types", None)
-    if types:
+    if types and layer_id < len(types):
         return types[layer_id] == "sparse"
+    # the NextN/MTP layer (layer_id == num_hidden_layers) follows first_k_dense_replace: MoE
     if not getattr(config, "n_routed_experts", None):
         return False
     freq = getattr(config, "moe_layer_freq", 1) or 1
@@ -295,8 +308,8 @@ class DeepseekV2ForCausalLM(nn.Module):
     indexer_rope_interleaved = False
 
     @classmethod
-    def uses_indexer(cls, config, layer_id: int) -> bool:
-        return False
+    def index_role(cls, config, layer_id: int, is_nextn: bool = False) -> LayerIndexRole:
+        return NO_INDEXER
 
     def __init__(self, config, max_position: int | None = None, tp_group: GroupCoordinator = SINGLE_GROUP,
                  dtype: torch.dtype | None = None) -> None:
@@ -325,7 +338,7 @@ class DeepseekV2ForCausalLM(nn.Module):
             return True
         if m and ".self_attn.indexer." in name and int(m.group(1)) < self.num_layers:
             # Checkpoints may ship indexer weights for layers IndexCache makes shared: unused.
-            return not type(self).uses_indexer(self.config, int(m.group(1)))
+            return not type(self).index_role(self.config, int(m.group(1))).has_indexer
         return name.endswith("rotary_emb.inv_freq")
 
     @torch.no_grad()
@@ -402,9 +415,9 @@ class DeepseekV32ForCausalLM(DeepseekV2ForCausalLM):
     indexer_rope_interleaved = False
 
     @classmethod
-    def uses_indexer(cls, config, layer_id: int) -> bool:
+    def index_role(cls, config, layer_id: int, is_nextn: bool = False) -> LayerIndexRole:
         """Full IndexCache layers run the indexer; shared ones reuse the previous top-k."""
-        return get_index_layer_schedule(config).full[layer_id]
+        return layer_index_role(get_index_layer_schedule(config), layer_id, is_nextn)
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

@@ -8,6 +8,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("sglang.srt.models.deepseek_v2", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("sglang.srt.models.deepseek_v2", "GlmMoeDsaForCausalLM"),
+    # NextN / MTP draft layers (speculative decoding): ModelConfig(is_draft_model=True) picks them.
+    "DeepseekV3ForCausalLMNextN": ("sglang.srt.models.deepseek_nextn", "DeepseekV3ForCausalLMNextN"),
+    "DeepseekV32ForCausalLMNextN": ("sglang.srt.models.deepseek_nextn", "DeepseekV32ForCausalLMNextN"),
+    "GlmMoeDsaForCausalLMNextN": ("sglang.srt.models.deepseek_nextn", "GlmMoeDsaForCausalLMNextN"),
 }
 
 

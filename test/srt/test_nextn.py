@@ -1,0 +1,121 @@
+"""The NextN / MTP draft layer: loads model.layers.{N}.* of a checkpoint, always owns a DSA
+indexer (runs it when no previous top-k is given), and matches transformers' decoder layer run
+on the same MTP weights (transformers itself ignores MTP weights, so the reference is built from
+its one-layer model with the MTP layer's tensors)."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.testing.reference import load_hf_reference
+from sglang.srt.testing.tiny_models import make_tiny_checkpoint
+
+LAYERS = 4
+
+
+def _add_mtp_layer(path: str, with_head: bool) -> dict[str, torch.Tensor]:
+    """Append a random MTP layer (a copy of layer 1's shapes) as model.layers.{LAYERS}.*."""
+    g = torch.Generator().manual_seed(11)
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    mtp = {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers.1."):
+            new = name.replace("model.layers.1.", f"model.layers.{LAYERS}.", 1)
+            noise = torch.randn(t.shape, generator=g) * 0.02 if t.dtype.is_floating_point else 0
+            mtp[new] = (t + noise).contiguous()
+    h = tensors["model.norm.weight"].shape[0]
+    p = f"model.layers.{LAYERS}."
+    mtp[p + "enorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    mtp[p + "hnorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    mtp[p + "eh_proj.weight"] = 0.05 * torch.randn(h, 2 * h, generator=g)
+    mtp[p + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    if with_head:
+        mtp[p + "shared_head.head.weight"] = 0.05 * torch.randn(tensors["lm_head.weight"].shape, generator=g)
+        mtp[p + "embed_tokens.weight"] = 0.05 * torch.randn(tensors["model.embed_tokens.weight"].shape, generator=g)
+    tensors.update(mtp)
+    save_file(tensors, f, metadata={"format": "pt"})
+    return tensors
+
+
+def _reference(path: str, tmp, tensors: dict, ids: list[int], target_hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' one-layer model carrying the MTP decoder layer, fed eh_proj(...) as embeddings."""
+    p = f"model.layers.{LAYERS}."
+    ref_dir = tmp / "mtp_ref"
+    ref_dir.mkdir()
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg.update(num_hidden_layers=1, first_k_dense_replace=0, mlp_layer_types=["sparse"], layer_types=None)
+    for k in ("indexer_types", "index_topk_freq", "index_skip_topk_offset", "index_topk_pattern"):
+        cfg.pop(k, None)
+    json.dump(cfg, open(ref_dir / "config.json", "w"))
+    head = tensors.get(p + "shared_head.head.weight", tensors["lm_head.weight"])
+    embed = tensors.get(p + "embed_tokens.weight", tensors["model.embed_tokens.weight"])
+    ref = {n.replace(p, "model.layers.0.", 1): t for n, t in tensors.items()
+           if n.startswith(p) and n.split(".")[3] not in ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")}
+    ref.update({"model.norm.weight": tensors[p + "shared_head.norm.weight"], "lm_head.weight": head,
+                "model.embed_tokens.weight": embed})
+    save_file(ref, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    hf = load_hf_reference(str(ref_dir))
+
+    def rms(x, w, eps=cfg["rms_norm_eps"]):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    e = rms(embed[torch.tensor(ids)], tensors[p + "enorm.weight"])
+    hh = rms(target_hidden, tensors[p + "hnorm.weight"])
+    x = torch.cat([e, hh], -1) @ tensors[p + "eh_proj.weight"].T
+    with torch.no_grad():
+        return hf(inputs_embeds=x[None]).logits[0]
+
+
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32", "deepseek_v3"])
+@pytest.mark.parametrize("with_head", [True, False])
+def test_nextn_layer_matches_reference(arch, with_head, tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), arch=arch, num_hidden_layers=LAYERS,
+                                **({"index_topk_freq": 2} if arch == "glm_moe_dsa" else {}))
+    tensors = _add_mtp_layer(path, with_head)
+    sa = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=1024,
+                    nsa_index_k_dtype="float32").resolve()
+    mc = ModelConfig(path, "float32", is_draft_model=True)
+    assert mc.architecture.endswith("NextN") and mc.num_kv_layers == 1
+    runner = ModelRunner(mc, sa)
+    attn = runner.model.model.decoder.self_attn
+    if arch != "deepseek_v3":
+        # the draft layer owns an indexer even when IndexCache shares target layers
+        assert attn.indexer is not None and runner.token_to_kv_pool.index_layer_ids == [0]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(5, 1000, (60,), generator=g).tolist()  # longer than index_topk (32): sparse
+    target_hidden = torch.randn(60, 128, generator=g)
+    slot = runner.req_to_token_pool.alloc(1)
+    loc = runner.token_to_kv_pool_allocator.alloc(60)
+    runner.req_to_token_pool.write(slot[0], 0, loc)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, ids, slot, [0], [60], loc, return_all_logits=True,
+                            spec_hidden_states=target_hidden)
+    ours = runner.forward(fb).full_logits
+    ref = _reference(path, tmp_path, tensors, ids, target_hidden)
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_checkpoint_without_mtp_layer_is_a_clear_error(tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), arch="glm_moe_dsa", num_hidden_layers=LAYERS)
+    sa = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=1024).resolve()
+    with pytest.raises(ValueError, match="no NextN/MTP layer"):
+        ModelRunner(ModelConfig(path, "float32", is_draft_model=True), sa)
+
+
+def test_nextn_gating_reuses_given_topk_only_when_sharing(tmp_path):
+    """skip_topk on the NextN layer follows IndexCache: with sharing, a given top-k is reused;
+    without, the layer always runs its own indexer."""
+    from sglang.srt.configs.index_layers import layer_index_role, resolve_index_layer_schedule
+
+    shared = resolve_index_layer_schedule(4, [("flags", {"index_topk_freq": 2})])
+    full = resolve_index_layer_schedule(4, [])
+    assert layer_index_role(shared, 0, is_nextn=True).skip_topk
+    assert not layer_index_role(full, 0, is_nextn=True).skip_topk
+    assert layer_index_role(full, 0, is_nextn=True).has_indexer

@@ -180,6 +180,24 @@ class NSATokenToKVPool(MLATokenToKVPool):
             return dequantize_fp8_per_block(data[page, off], scales[page, off])
         return data[page, off].float()
 
+    # -- page-level moves (HiCache backup/load, PD transfer): raw bytes, layer-checked ------------
+    def get_index_k_pages(self, layer_id: int, pages: torch.Tensor) -> torch.Tensor:
+        """Raw index-K rows ([n, page_size * bytes_per_token] uint8) of `pages` for a full layer."""
+        return self.index_k_with_scale_buffer[self.index_buffer_id(layer_id)][pages]
+
+    def set_index_k_pages(self, layer_id: int, pages: torch.Tensor, rows: torch.Tensor) -> None:
+        buf = self.index_k_with_scale_buffer[self.index_buffer_id(layer_id)]
+        if rows.dtype != torch.uint8 or tuple(rows.shape) != (len(pages), buf.shape[1]):
+            raise ValueError(f"layer {layer_id}: index-K rows must be uint8 [{len(pages)}, {buf.shape[1]}], "
+                             f"got {rows.dtype} {tuple(rows.shape)}")
+        buf[pages] = rows.to(buf.device)
+
+    def check_index_layer_ids(self, layer_ids: list[int], what: str = "peer") -> None:
+        """A transfer / backup made for another IndexCache layout must not be applied here."""
+        if list(layer_ids) != self.index_layer_ids:
+            raise ValueError(f"index-K layer layout mismatch: {what} has layers {list(layer_ids)}, "
+                             f"this pool has {self.index_layer_ids}")
+
     def kv_bytes_per_token(self) -> int:
         return super().kv_bytes_per_token() + len(self.index_layer_ids) * self.index_bytes_per_token
 

@@ -322,3 +322,22 @@ def test_nsa_mla_part_still_works():
     pool.set_mla_kv_buffer(0, loc, lat, rope)
     gl, gr = pool.get_mla_kv(0, loc)
     assert torch.equal(gl, lat.bfloat16()) and torch.equal(gr, rope.bfloat16())
+
+
+def test_index_k_page_moves_are_layer_checked():
+    """Page moves (HiCache / PD transfer) go through the logical-layer map and validate layouts."""
+    src = NSATokenToKVPool(64, 16, torch.float32, 16, 8, 4, 128, "fp8_e4m3", index_layer_ids=[0, 2])
+    dst = NSATokenToKVPool(64, 16, torch.float32, 16, 8, 4, 128, "fp8_e4m3", index_layer_ids=[0, 2])
+    k = torch.randn(32, 128)
+    loc = torch.arange(16, 48)
+    src.set_index_k(2, loc, k)
+    pages = torch.tensor([1, 2])
+    dst.set_index_k_pages(2, pages, src.get_index_k_pages(2, pages))
+    assert torch.equal(dst.get_index_k(2, loc), src.get_index_k(2, loc))
+    with pytest.raises(KeyError, match="no index-K buffer"):
+        src.get_index_k_pages(1, pages)
+    with pytest.raises(ValueError, match="uint8"):
+        dst.set_index_k_pages(2, pages, src.get_index_k_pages(2, pages)[:, :-4])
+    dst.check_index_layer_ids([0, 2])
+    with pytest.raises(ValueError, match="layout mismatch"):
+        dst.check_index_layer_ids([0, 1, 2, 3], "prefill peer")

@@ -12,6 +12,7 @@ import torch
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.layers.attention.nsa.utils import StaleTopkError, assert_topk_matches_batch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.testing.runner_utils import prefill_all_logits
 from sglang.srt.testing.reference import hf_greedy_generate, hf_prefill_logits, load_hf_reference
 from sglang.srt.testing.tiny_models import make_tiny_checkpoint
 
@@ -49,20 +50,7 @@ def _engine(path, **kw):
 
 
 def _logits(engine, prompts):
-    mr = engine.scheduler.model_runner
-    lens = [len(p) for p in prompts]
-    slots = mr.req_to_token_pool.alloc(len(prompts))
-    loc = mr.token_to_kv_pool_allocator.alloc_extend([0] * len(lens), lens, [-1] * len(lens))
-    off = 0
-    for s, n in zip(slots, lens):
-        mr.req_to_token_pool.write(s, 0, loc[off : off + n])
-        off += n
-    fb = ForwardBatch.build(ForwardMode.EXTEND, sum(prompts, []), slots, [0] * len(lens), lens, loc,
-                            device=mr.device, return_all_logits=True)
-    out = mr.forward(fb).full_logits.cpu()
-    mr.token_to_kv_pool_allocator.free(loc)
-    mr.req_to_token_pool.free(slots)
-    return list(out.split(lens))
+    return prefill_all_logits(engine.scheduler.model_runner, prompts)
 
 
 def _check_against_reference(engine, hf):

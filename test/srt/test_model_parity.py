@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang.srt.entrypoints.engine import Engine
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.testing.runner_utils import prefill_all_logits
 from sglang.srt.testing.reference import hf_greedy_generate, hf_prefill_logits, load_hf_reference
 
 LOGIT_ATOL = 1e-4
@@ -40,22 +40,8 @@ def _engine(path: str, page_size: int, **kw) -> Engine:
                   nsa_index_k_dtype="float32", random_seed=0, **kw)
 
 
-def _prefill_all_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """One batched extend of every prompt through the model runner; logits of every position."""
-    mr = engine.scheduler.model_runner
-    lens = [len(p) for p in prompts]
-    slots = mr.req_to_token_pool.alloc(len(prompts))
-    loc = mr.token_to_kv_pool_allocator.alloc_extend([0] * len(lens), lens, [-1] * len(lens))
-    off = 0
-    for s, n in zip(slots, lens):
-        mr.req_to_token_pool.write(s, 0, loc[off : off + n])
-        off += n
-    fb = ForwardBatch.build(ForwardMode.EXTEND, sum(prompts, []), slots, [0] * len(lens), lens, loc,
-                            device=mr.device, return_all_logits=True)
-    logits = mr.forward(fb).full_logits.cpu()
-    mr.token_to_kv_pool_allocator.free(loc)
-    mr.req_to_token_pool.free(slots)
-    return list(logits.split(lens))
+def _prefill_all_logits(engine, prompts):
+    return prefill_all_logits(engine.scheduler.model_runner, prompts)
 
 
 @pytest.mark.parametrize("page_size", [1, 64])

@@ -11,28 +11,22 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-try:
-    import sglang  # noqa: F401
-except ImportError:  # running from a source checkout without `pip install -e python`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "python"))
 
-import torch  # noqa: E402
-from transformers import DeepseekV32Config  # noqa: E402
-from transformers.models.deepseek_v32.modeling_deepseek_v32 import (  # noqa: E402
+import torch
+from transformers import DeepseekV32Config
+from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
     DeepseekV32Experts,
     DeepseekV32MoE,
     DeepseekV32TopkRouter,
 )
 
-from sglang.srt.layers.moe.fused_moe import FusedMoE  # noqa: E402
-from sglang.srt.layers.moe.fused_moe_native import fused_experts_native  # noqa: E402
-from sglang.srt.layers.moe.topk import TopKConfig, TopKOutput, select_experts  # noqa: E402
-from sglang.srt.models.deepseek_v2 import DeepseekV2MoE  # noqa: E402
+from sglang.srt.layers.moe.fused_moe import FusedMoE
+from sglang.srt.layers.moe.fused_moe_native import fused_experts_native
+from sglang.srt.layers.moe.topk import TopKConfig, TopKOutput, select_experts
+from sglang.srt.models.deepseek_v2 import DeepseekV2MoE
 
 HIDDEN = 32
 NUM_TOKENS = 64

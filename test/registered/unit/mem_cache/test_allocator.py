@@ -4,19 +4,13 @@ reserved, no slot handed out twice, all-or-nothing when short, checked frees. CP
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-try:
-    import sglang  # noqa: F401
-except ImportError:  # running from a source checkout without `pip install -e python`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "python"))
 
-import torch  # noqa: E402
+import torch
 
-from sglang.srt.mem_cache.allocator import (  # noqa: E402
+from sglang.srt.mem_cache.allocator import (
     KVAllocatorError,
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,

@@ -3,23 +3,17 @@ finishes; chunked prefill keeps the request's own KV as its prefix. CPU, fast.""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-try:
-    import sglang  # noqa: F401
-except ImportError:  # running from a source checkout without `pip install -e python`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "python"))
 
-import torch  # noqa: E402
+import torch
 
-from sglang.srt.managers.schedule_batch import Req  # noqa: E402
-from sglang.srt.mem_cache.allocator import KVAllocatorError, PagedTokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, ChunkCache  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
-from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator import KVAllocatorError, PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, ChunkCache
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.sampling.sampling_params import SamplingParams
 
 
 class Env:

@@ -3,24 +3,18 @@ exact modes, index-layer subsets). CPU, fast."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-try:
-    import sglang  # noqa: F401
-except ImportError:  # running from a source checkout without `pip install -e python`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "python"))
 
-import torch  # noqa: E402
+import torch
 
-from sglang.srt.layers.attention.nsa.quant import (  # noqa: E402
+from sglang.srt.layers.attention.nsa.quant import (
     dequantize_fp8_per_block,
     quantize_fp8_per_block,
 )
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import (
     MLATokenToKVPool,
     NSATokenToKVPool,
     ReqToTokenPool,

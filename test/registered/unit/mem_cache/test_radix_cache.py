@@ -6,24 +6,18 @@ from __future__ import annotations
 
 import itertools
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-try:
-    import sglang  # noqa: F401
-except ImportError:  # running from a source checkout without `pip install -e python`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "python"))
 
-import torch  # noqa: E402
+import torch
 
-import sglang.srt.mem_cache.radix_cache as radix_mod  # noqa: E402
-from sglang.srt.managers.schedule_batch import Req  # noqa: E402
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode  # noqa: E402
-from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+import sglang.srt.mem_cache.radix_cache as radix_mod
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
+from sglang.srt.sampling.sampling_params import SamplingParams
 
 MAX_CTX = 256
 

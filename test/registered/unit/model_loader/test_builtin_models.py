@@ -11,21 +11,17 @@ from pathlib import Path
 
 import pytest
 
-try:
-    import sglang  # noqa: F401
-except ImportError:  # running from a source checkout without `pip install -e python`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "python"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sglang.srt.model_loader import builtin  # noqa: E402
-from sglang.srt.testing import tiny_models  # noqa: E402
-from sglang.srt.testing.tiny_models import build_tokenizer, make_tiny_checkpoint  # noqa: E402
+from sglang.srt.model_loader import builtin
+from sglang.srt.testing import tiny_models
+from sglang.srt.testing.tiny_models import build_tokenizer, make_tiny_checkpoint
 
 ARCH_CLASSES = {
     "deepseek_v32": "DeepseekV32ForCausalLM",

@@ -20,26 +20,21 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-try:
-    import sglang  # noqa: F401
-except ImportError:  # running from a source checkout without `pip install -e python`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "python"))
 
-import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+import torch
+from safetensors.torch import load_file, save_file
 
-from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
-from sglang.srt.entrypoints.engine import Engine  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
-from sglang.srt.model_loader.loader import get_model  # noqa: E402
-from sglang.srt.model_loader.weight_utils import block_dequant_fp8, quantize_fp8_block  # noqa: E402
-from sglang.srt.models.registry import supported_architectures  # noqa: E402
-from sglang.srt.testing.tiny_models import make_tiny_checkpoint  # noqa: E402
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.entrypoints.engine import Engine
+from sglang.srt.testing.runner_utils import prefill_all_logits
+from sglang.srt.model_loader.loader import get_model
+from sglang.srt.model_loader.weight_utils import block_dequant_fp8, quantize_fp8_block
+from sglang.srt.models.registry import supported_architectures
+from sglang.srt.testing.tiny_models import make_tiny_checkpoint
 
 ARCHS = ["deepseek_v32", "glm_moe_dsa", "deepseek_v3"]
 DSA_ARCHS = ["deepseek_v32", "glm_moe_dsa"]
@@ -127,20 +122,7 @@ def _prompts() -> list[list[int]]:
 
 def _prefill_all_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
     """One batched extend of every prompt through the model runner; logits of every position."""
-    mr = engine.scheduler.model_runner
-    lens = [len(p) for p in prompts]
-    slots = mr.req_to_token_pool.alloc(len(prompts))
-    loc = mr.token_to_kv_pool_allocator.alloc_extend([0] * len(lens), lens, [-1] * len(lens))
-    off = 0
-    for s, n in zip(slots, lens):
-        mr.req_to_token_pool.write(s, 0, loc[off : off + n])
-        off += n
-    fb = ForwardBatch.build(ForwardMode.EXTEND, sum(prompts, []), slots, [0] * len(lens), lens, loc,
-                            return_all_logits=True)
-    logits = mr.forward(fb).full_logits
-    mr.token_to_kv_pool_allocator.free(loc)
-    mr.req_to_token_pool.free(slots)
-    return logits.float()
+    return torch.cat(prefill_all_logits(engine.scheduler.model_runner, prompts)).float()
 
 
 def _logits(ckpt: Path, dtype: str = "float32") -> torch.Tensor:

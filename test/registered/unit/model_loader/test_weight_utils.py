@@ -9,15 +9,11 @@ from pathlib import Path
 
 import pytest
 
-try:
-    import sglang  # noqa: F401
-except ImportError:  # running from a source checkout without `pip install -e python`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "python"))
 
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+import torch
+from safetensors.torch import save_file
 
-from sglang.srt.model_loader.weight_utils import (  # noqa: E402
+from sglang.srt.model_loader.weight_utils import (
     FP8_E4M3_MAX,
     block_dequant_fp8,
     check_weights_complete,

@@ -4,21 +4,15 @@ Sampler (greedy, filters, distribution, seeded determinism, logprobs). CPU, fast
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-try:
-    import sglang  # noqa: F401
-except ImportError:  # running from a source checkout without `pip install -e python`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "python"))
 
-import torch  # noqa: E402
+import torch
 
-from sglang.srt.layers.sampler import Sampler, SamplerOutput, filter_mask  # noqa: E402
-from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo  # noqa: E402
-from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.layers.sampler import Sampler, SamplerOutput, filter_mask
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.sampling.sampling_params import SamplingParams
 
 V = 50
 NEG_INF = float("-inf")

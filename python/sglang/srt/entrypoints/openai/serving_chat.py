@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
-
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, finish_reason_of, make_id, now_s, usage_of
-from sglang.srt.entrypoints.openai.utils import (
-    SSE_DONE,
-    abort_error,
-    check_model,
-    merge_streams,
-    request_error_response,
-    sse,
-    token_bytes,
-    token_text,
-)
-from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
+from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
+from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_bytes, token_text
+from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_TOP_LOGPROBS = 20
@@ -44,11 +31,8 @@ def _messages_for_template(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-class ChatHandler:
-    def __init__(self, tm: TokenizerManager, served_model_name: str) -> None:
-        self.tm, self.served_model_name = tm, served_model_name
-
-    def _build(self, req: ChatCompletionRequest) -> list[tuple[GenerateRequest, tuple]]:
+class ChatHandler(OpenAIServingBase):
+    def _build(self, req: ChatCompletionRequest) -> list[tuple[GenerateRequest, tuple, int]]:
         check_model(self.served_model_name, req.model)
         if req.n < 1:
             raise RequestError("n must be at least 1", param="n")
@@ -72,7 +56,7 @@ class ChatHandler:
         base = GenerateRequest(text=prompt, sampling_params=req.sampling_params(max_tokens),
                                return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, stream=req.stream)
         rid, ids, sp = self.tm.prepare(base)
-        return [(base, (f"{rid}-{j}" if req.n > 1 else (req.rid or rid), ids, sp)) for j in range(req.n)]
+        return [(base, (f"{rid}-{j}" if req.n > 1 else (req.rid or rid), ids, sp), 0) for j in range(req.n)]
 
     def _logprobs(self, meta: dict, start: int) -> dict:
         tok = self.tm.tokenizer
@@ -87,19 +71,7 @@ class ChatHandler:
             })
         return {"content": content}
 
-    async def handle(self, req: ChatCompletionRequest, raw: Request):
-        try:
-            items = self._build(req)
-        except RequestError as e:
-            return request_error_response(e)
-        if req.stream:
-            return StreamingResponse(self._stream(req, items), media_type="text/event-stream")
-        results = await asyncio.gather(*[self.tm.generate_full(b, p, raw.is_disconnected) for b, p in items])
-        aborted = abort_error(results)
-        if aborted is not None:
-            return aborted
-        for r in results:
-            r["meta_info"]["prompt_index"] = 0
+    def _render(self, req: ChatCompletionRequest, items, results: list[dict]) -> dict:
         choices = []
         for idx, res in enumerate(results):
             choice = {"index": idx, "message": {"role": "assistant", "content": res["text"]},
@@ -109,8 +81,8 @@ class ChatHandler:
             if "matched" in fr:
                 choice["matched_stop"] = fr["matched"]
             choices.append(choice)
-        return JSONResponse({"id": make_id("chatcmpl"), "object": "chat.completion", "created": now_s(),
-                             "model": req.model, "choices": choices, "usage": usage_of(results).model_dump()})
+        return {"id": make_id("chatcmpl"), "object": "chat.completion", "created": now_s(), "model": req.model,
+                "choices": choices, "usage": usage_of(results).model_dump()}
 
     async def _stream(self, req: ChatCompletionRequest, items):
         cid, created = make_id("chatcmpl"), now_s()
@@ -125,7 +97,7 @@ class ChatHandler:
             yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         try:
-            async for idx, update in merge_streams([self.tm.generate(b, p) for b, p in items]):
+            async for idx, update in merge_streams([self.tm.generate(b, p) for b, p, _ in items]):
                 res, text = update["result"], update["text_delta"]
                 meta = res["meta_info"]
                 fr = finish_reason_of(meta)

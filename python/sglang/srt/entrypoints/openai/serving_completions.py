@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
-
 from sglang.srt.entrypoints.openai.protocol import CompletionRequest, finish_reason_of, make_id, now_s, usage_of
-from sglang.srt.entrypoints.openai.utils import (
-    SSE_DONE,
-    abort_error,
-    check_model,
-    merge_streams,
-    request_error_response,
-    sse,
-    token_text,
-)
-from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
+from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
+from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_text
+from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
 
 MAX_LOGPROBS = 20
 
@@ -35,10 +25,7 @@ def _prompts(prompt) -> list[dict]:
     raise RequestError("prompt must be a string, a list of strings, or token ids", param="prompt")
 
 
-class CompletionHandler:
-    def __init__(self, tm: TokenizerManager, served_model_name: str) -> None:
-        self.tm, self.served_model_name = tm, served_model_name
-
+class CompletionHandler(OpenAIServingBase):
     def _build(self, req: CompletionRequest) -> list[tuple[GenerateRequest, tuple, int]]:
         check_model(self.served_model_name, req.model)
         if req.n < 1:
@@ -83,23 +70,9 @@ class CompletionHandler:
         return res
 
     # -- non-streaming ----------------------------------------------------------------------------
-    async def handle(self, req: CompletionRequest, raw: Request):
-        try:
-            items = self._build(req)
-        except RequestError as e:
-            return request_error_response(e)
-        if req.stream:
-            return StreamingResponse(self._stream(req, items), media_type="text/event-stream")
-        import asyncio
-
-        results = await asyncio.gather(*[
-            self.tm.generate_full(base, prepared, raw.is_disconnected) for base, prepared, _ in items])
-        aborted = abort_error(results)
-        if aborted is not None:
-            return aborted
+    def _render(self, req: CompletionRequest, items, results: list[dict]) -> dict:
         choices = []
-        for idx, ((base, prepared, pi), res) in enumerate(zip(items, results)):
-            res["meta_info"]["prompt_index"] = pi
+        for idx, ((base, prepared, _), res) in enumerate(zip(items, results)):
             prompt_text = (base.text if base.text is not None else self.tm.tokenizer.decode(prepared[1])) if req.echo else ""
             choice = {"index": idx, "text": prompt_text + res["text"], "logprobs": None,
                       "finish_reason": finish_reason_of(res["meta_info"])}
@@ -107,10 +80,8 @@ class CompletionHandler:
                 choice["logprobs"] = self._logprobs(res["meta_info"], 0, req.echo, 0)
             _attach_matched_stop(choice, res["meta_info"])
             choices.append(choice)
-        return JSONResponse({
-            "id": make_id("cmpl"), "object": "text_completion", "created": now_s(), "model": req.model,
-            "choices": choices, "usage": usage_of(results).model_dump(),
-        })
+        return {"id": make_id("cmpl"), "object": "text_completion", "created": now_s(), "model": req.model,
+                "choices": choices, "usage": usage_of(results).model_dump()}
 
     # -- streaming -----------------------------------------------------------------------------------
     async def _stream(self, req: CompletionRequest, items):

@@ -1,0 +1,35 @@
+"""The request flow both OpenAI handlers share: build -> stream, or gather -> error check -> render."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from sglang.srt.entrypoints.openai.utils import abort_error, request_error_response
+from sglang.srt.managers.tokenizer_manager import RequestError, TokenizerManager
+
+
+class OpenAIServingBase:
+    """Subclasses give `_build(req) -> [(GenerateRequest, prepared, prompt_index)]`,
+    `_stream(req, items)` (an async SSE generator) and `_render(req, items, results) -> dict`."""
+
+    def __init__(self, tm: TokenizerManager, served_model_name: str) -> None:
+        self.tm, self.served_model_name = tm, served_model_name
+
+    async def handle(self, req, raw: Request):
+        try:
+            items = self._build(req)
+        except RequestError as e:
+            return request_error_response(e)
+        if req.stream:
+            return StreamingResponse(self._stream(req, items), media_type="text/event-stream")
+        results = await asyncio.gather(*[self.tm.generate_full(base, prepared, raw.is_disconnected)
+                                         for base, prepared, _ in items])
+        aborted = abort_error(results)
+        if aborted is not None:
+            return aborted
+        for (_, _, pi), res in zip(items, results):
+            res["meta_info"]["prompt_index"] = pi  # usage bills each distinct prompt once
+        return JSONResponse(self._render(req, items, results))

@@ -167,3 +167,14 @@ def test_startup_errors(args, needle):
 def test_tbo_without_sharing_is_refused_plainly():
     r = _launch("--model-path", "builtin:tiny-glm-moe-dsa", "--enable-two-batch-overlap")
     assert r.returncode != 0 and "--enable-two-batch-overlap" in r.stderr and "not implemented" in r.stderr
+
+
+def test_json_override_equals_flags(ckpt):
+    """--json-model-override-args sets the same schedule the flags do, with the same outputs."""
+    by_flags = _engine(ckpt(), nsa_index_topk_freq=4, nsa_index_topk_offset=3)
+    by_json = _engine(ckpt(), json_model_override_args='{"index_topk_freq": 4, "index_skip_topk_offset": 3}')
+    assert by_json.model_config.index_layer_schedule.full == by_flags.model_config.index_layer_schedule.full
+    assert by_json.model_config.index_layer_schedule.shares
+    sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    assert [o["output_ids"] for o in by_json.generate(input_ids=_prompts(), sampling_params=sp)] == \
+           [o["output_ids"] for o in by_flags.generate(input_ids=_prompts(), sampling_params=sp)]

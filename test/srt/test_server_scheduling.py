@@ -1,7 +1,6 @@
 """Scheduler behaviour through the real server: concurrency, abort, radix cache, chunked prefill.
 After every scenario the KV pool must be whole again: free + cached == capacity, nothing locked."""
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor

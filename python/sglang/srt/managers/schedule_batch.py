@@ -9,7 +9,7 @@ KV bookkeeping of a request:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -1,7 +1,5 @@
 """DSA indexer: FP8 index-K quantisation, score error bound, top-k selection, sparse attention."""
 
-import math
-
 import pytest
 import torch
 

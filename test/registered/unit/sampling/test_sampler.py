@@ -3,7 +3,6 @@ Sampler (greedy, filters, distribution, seeded determinism, logprobs). CPU, fast
 
 from __future__ import annotations
 
-import math
 
 import pytest
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 
 class _Request(BaseModel):
@@ -107,7 +107,7 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage_of(results: list[dict], prompt_counted_once: bool = False) -> UsageInfo:
+def usage_of(results: list[dict]) -> UsageInfo:
     """Usage over a request's choices; with n > 1 the prompt is billed once per distinct prompt."""
     prompt = 0
     seen = set()

@@ -47,8 +47,7 @@ class Engine:
         self.server_args = ServerArgs.from_kwargs(log_level=log_level, **kwargs).resolve()
         sa = self.server_args
         self.model_config = model_config_from_server_args(sa)
-        self.tokenizer = load_tokenizer(sa.tokenizer_path if sa.tokenizer_path != sa.model_path
-                                        else self.model_config.model_path, sa.trust_remote_code)
+        self.tokenizer = load_tokenizer(sa.tokenizer_path, sa.trust_remote_code)
         self.scheduler = Scheduler(sa, self.model_config, self.tokenizer)
         self._ids = itertools.count()
 

@@ -17,12 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-fastapi = pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
-pytest.importorskip("httpx")
-
-from fastapi import FastAPI, Request  # noqa: E402  (module level: annotations are strings here)
-from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
+# Server deps are package requirements: a missing one must fail here, not skip.
+import httpx  # noqa: F401
+import uvicorn
+from fastapi import FastAPI, Request  # module level: annotations are strings here
+from fastapi.responses import JSONResponse, StreamingResponse
 
 _BENCH = Path(__file__).resolve().parents[4] / "benchmark" / "serving" / "bench_serving.py"
 _spec = importlib.util.spec_from_file_location("bench_serving", _BENCH)
@@ -234,11 +233,8 @@ def test_sample_random_requests_words():
 
 
 def test_sample_random_requests_tokenizer(tmp_path):
-    pytest.importorskip("transformers")
-    try:
-        from sglang.srt.testing.tiny_models import build_tokenizer
-    except ImportError:
-        pytest.skip("sglang tiny tokenizer builder unavailable")
+    from sglang.srt.testing.tiny_models import build_tokenizer
+
     tok = build_tokenizer(str(tmp_path / "tok"))
     reqs = bs.sample_random_requests(12, 48, 8, range_ratio=0.5, seed=0, tokenizer=str(tmp_path / "tok"))
     for r in reqs:

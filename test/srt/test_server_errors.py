@@ -42,6 +42,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "default", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": "default", "prompt": "x", "max_tokens": -5}, 400, "max_new_tokens"),
     ("/v1/completions", {"model": "default", "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}], "n": 2**31}, 400, "n"),
     ("/v1/completions", {"model": "default", "prompt": "x", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"model": "default", "prompt": "x", "temperature": "hot"}, 422, "temperature"),
     ("/v1/completions", {"model": "default"}, 422, "prompt"),

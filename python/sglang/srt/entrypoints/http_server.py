@@ -177,7 +177,28 @@ class GuardMiddleware:
         return await self.app(scope, receive, send)
 
 
+def _typed(body: dict, key: str, types: tuple, default, check=None):
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+        names = "/".join(t.__name__ for t in types)
+        raise RequestError(f"{key} must be {names}, got {type(v).__name__}", param=key)
+    if check is not None and not check(v):
+        raise RequestError(f"{key} has an invalid value {v!r}", param=key)
+    return v
+
+
+def _is_str_list(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, str) for t in x)
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
 def _native_requests(body: dict) -> tuple[list[GenerateRequest], bool]:
+    """Validate a native /generate body (types included: a bad one is a 400, never a 500)."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     unknown = sorted(set(body) - _GENERATE_KEYS)
@@ -187,24 +208,29 @@ def _native_requests(body: dict) -> tuple[list[GenerateRequest], bool]:
     if (text is None) == (ids is None):
         raise RequestError("exactly one of text or input_ids is required", param="text")
     if text is not None:
+        if not (isinstance(text, str) or (_is_str_list(text) and text)):
+            raise RequestError("text must be a string or a non-empty list of strings", param="text")
         single = isinstance(text, str)
         prompts = [{"text": t} for t in ([text] if single else text)]
     else:
-        single = bool(ids) and all(isinstance(t, int) for t in ids)
+        single = _is_ids(ids) and bool(ids)
+        if not single and not (isinstance(ids, list) and ids and all(_is_ids(x) and x for x in ids)):
+            raise RequestError("input_ids must be a list of token ids or a list of such lists", param="input_ids")
         prompts = [{"input_ids": x} for x in ([ids] if single else ids)]
-    if not prompts:
-        raise RequestError("no prompts given", param="text")
-    sp = body.get("sampling_params") or {}
+    sp = _typed(body, "sampling_params", (dict, list), {})
     sps = sp if isinstance(sp, list) else [sp] * len(prompts)
-    if len(sps) != len(prompts):
-        raise RequestError(f"{len(sps)} sampling_params for {len(prompts)} prompts", param="sampling_params")
-    rid = body.get("rid")
+    if len(sps) != len(prompts) or not all(isinstance(x, dict) for x in sps):
+        raise RequestError(f"sampling_params must be an object or a list of {len(prompts)} objects",
+                           param="sampling_params")
+    rid = _typed(body, "rid", (str, list), None, lambda r: isinstance(r, str) or (_is_str_list(r) and len(r) == len(prompts)))
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+    return_logprob = _typed(body, "return_logprob", (bool,), False)
+    start = _typed(body, "logprob_start_len", (int,), -1, lambda v: v >= -1)
+    top_n = _typed(body, "top_logprobs_num", (int,), 0, lambda v: 0 <= v <= 20)
+    stream = _typed(body, "stream", (bool,), False)
     reqs = [GenerateRequest(text=p.get("text"), input_ids=p.get("input_ids"), sampling_params=s,
-                            return_logprob=bool(body.get("return_logprob", False)),
-                            logprob_start_len=int(body.get("logprob_start_len", -1)),
-                            top_logprobs_num=int(body.get("top_logprobs_num", 0) or 0),
-                            stream=bool(body.get("stream", False)), rid=r if single or isinstance(rid, list) else None)
+                            return_logprob=return_logprob, logprob_start_len=start, top_logprobs_num=top_n,
+                            stream=stream, rid=r if single or isinstance(rid, list) else None)
             for p, s, r in zip(prompts, sps, rids)]
     return reqs, single
 

@@ -95,14 +95,15 @@ class SamplingParams:
     def normalize(self, tokenizer: Any = None) -> None:
         """Canonicalise in place: stop -> list[str], stop_token_ids -> de-duplicated list[int],
         logit_bias keys -> int; compute stop_str_max_len (tokens with a tokenizer, else chars)."""
+        # Wrong types are left as they are: verify() reports them with the parameter's name.
         if self.stop is None or self.stop == "":
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         max_len = 0
-        for s in self.stop:
+        for s in self.stop if isinstance(self.stop, list) else []:
             if not isinstance(s, str):
                 continue  # verify() reports it
             if tokenizer is not None:
@@ -111,9 +112,12 @@ class SamplingParams:
                 max_len = max(max_len, len(s))
         self.stop_str_max_len = max_len
 
-        if self.stop_token_ids is not None:
-            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
-        if self.logit_bias:
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            try:
+                self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+            except TypeError:  # unhashable entries: verify() names them
+                pass
+        if isinstance(self.logit_bias, dict) and self.logit_bias:
             # OpenAI sends token ids as JSON object keys, i.e. strings.
             norm: dict[str | int, float] = {}
             for k, v in self.logit_bias.items():

@@ -9,6 +9,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 
+MAX_N = 128  # choices per request (OpenAI's limit); each choice is a full request to the scheduler
+
+
 class _Request(BaseModel):
     # Unknown fields are ignored, as the OpenAI API does for forward compatibility.
     model_config = ConfigDict(extra="ignore")

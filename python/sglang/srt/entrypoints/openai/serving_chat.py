@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, finish_reason_of, make_id, now_s, usage_of
 from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
+from sglang.srt.entrypoints.openai.protocol import MAX_N
 from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_bytes, token_text
 from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
 
@@ -34,8 +35,8 @@ def _messages_for_template(req: ChatCompletionRequest) -> list[dict]:
 class ChatHandler(OpenAIServingBase):
     def _build(self, req: ChatCompletionRequest) -> list[tuple[GenerateRequest, tuple, int]]:
         check_model(self.served_model_name, req.model)
-        if req.n < 1:
-            raise RequestError("n must be at least 1", param="n")
+        if not 1 <= req.n <= MAX_N:
+            raise RequestError(f"n must be in [1, {MAX_N}]", param="n")
         if req.tools:
             raise RequestError("tools / function calling are not supported by this server", param="tools")
         if req.response_format and req.response_format.get("type") not in (None, "text"):

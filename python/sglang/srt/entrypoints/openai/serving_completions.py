@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sglang.srt.entrypoints.openai.protocol import CompletionRequest, finish_reason_of, make_id, now_s, usage_of
 from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
+from sglang.srt.entrypoints.openai.protocol import MAX_N
 from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_text
 from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
 
@@ -28,8 +29,8 @@ def _prompts(prompt) -> list[dict]:
 class CompletionHandler(OpenAIServingBase):
     def _build(self, req: CompletionRequest) -> list[tuple[GenerateRequest, tuple, int]]:
         check_model(self.served_model_name, req.model)
-        if req.n < 1:
-            raise RequestError("n must be at least 1", param="n")
+        if not 1 <= req.n <= MAX_N:
+            raise RequestError(f"n must be in [1, {MAX_N}]", param="n")
         if req.best_of is not None and req.best_of != req.n:
             raise RequestError("best_of other than n is not supported", param="best_of")
         if req.suffix:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sglang.srt.layers.attention.nsa.nsa_backend import NativeSparseAttnBackend, build_nsa_metadata, topk_to_mask
-from sglang.srt.layers.attention.nsa.nsa_indexer import compute_topk, index_scores
+from sglang.srt.layers.attention.nsa.nsa_indexer import compute_topk, index_score_dtype, index_scores
 from sglang.srt.layers.attention.nsa.quant import (
     FP8_E4M3_MAX,
     dequantize_fp8_per_block,
@@ -61,6 +61,29 @@ def test_fp8_index_score_error_bound():
     assert bool((err <= mag * (2 * E4M3_REL + E4M3_REL**2) + 1e-5).all())
     # and in practice the error is far inside the worst case
     assert err.mean() < 0.05 * mag.mean()
+
+
+def test_bf16_scoring_of_fp8_index_k_keeps_the_top_k():
+    """The GPU scores FP8 index K in bf16 (index_score_dtype); against fp32 scoring of the same
+    FP8 values, the selected top-k sets must overlap >= 0.98 per query (measured: >= 0.994)."""
+    g = torch.Generator().manual_seed(2)
+    t, h, d, L, topk = 16, 64, 128, 8192, 512
+    q = fp8_round_trip(hadamard_rotate(torch.randn(t, h, d, generator=g)))
+    k = fp8_round_trip(hadamard_rotate(torch.nn.functional.layer_norm(torch.randn(L, d, generator=g) * 3, (d,))))
+    w = torch.randn(t, h, generator=g)
+    exact = index_scores(q, k[None], w, d**-0.5)
+    fast = index_scores(q.bfloat16(), k[None], w, d**-0.5)
+    assert fast.dtype == torch.float32
+    for a, b in zip(exact.topk(topk).indices, fast.topk(topk).indices):
+        assert len(set(a.tolist()) & set(b.tolist())) >= 0.98 * topk
+
+    class _Pool:
+        is_fp8 = True
+
+    assert index_score_dtype(_Pool, torch.device("cuda")) == torch.bfloat16
+    assert index_score_dtype(_Pool, torch.device("cpu")) == torch.float32
+    _Pool.is_fp8 = False
+    assert index_score_dtype(_Pool, torch.device("cuda")) == torch.float32
 
 
 # -- top-k selection -------------------------------------------------------------------------------
@@ -153,10 +176,15 @@ class _Layer(torch.nn.Module):
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
 
-@pytest.mark.parametrize("mla_path", ["plain", "absorbed"])
+@pytest.mark.parametrize("mla_path", ["plain", "absorbed", "auto"])
 @pytest.mark.parametrize("decode", [False, True])
-def test_sparse_attention_equals_masked_dense_reference(mla_path, decode):
-    """Attending over the selected keys only == dense softmax with unselected keys masked."""
+def test_sparse_attention_equals_masked_dense_reference(mla_path, decode, monkeypatch):
+    """Attending over the selected keys only == dense softmax with unselected keys masked.
+    plain = dense masked MHA; absorbed / auto = the selected latents gathered per query (in
+    query chunks: the block size is shrunk so the 20-query request spans several)."""
+    from sglang.srt.layers.attention.nsa import nsa_backend
+
+    monkeypatch.setattr(nsa_backend, "SCORE_BLOCK_ELEMS", 2 * 6 * 7)  # 7 queries per chunk
     g = torch.Generator().manual_seed(3)
     layer = _Layer()
     prefix, extend = ([30, 12], [1, 1]) if decode else ([0, 10], [20, 9])

@@ -5,7 +5,10 @@ MLA over the paged latent cache, dense (DeepSeek-V3) or restricted to the indexe
 - plain ("MHA"): expand the cached latents with kv_b_proj into per-head K/V, then attend;
 - absorbed ("MQA"): fold kv_b_proj's K half into q and its V half into the output, and attend
   directly over the latent cache (what decode kernels such as FlashMLA do).
-`mla_path="auto"` uses plain for extend and absorbed for decode; tests force either and compare.
+`mla_path="auto"` uses absorbed wherever the indexer selected keys (decode, and extend with top-k:
+the selected latents are gathered per query, as FlashMLA's sparse prefill does, so attention costs
+O(tokens x index_topk) rather than O(tokens x context)) and plain for dense extend. Forcing "plain"
+keeps the dense masked formulation, the reference the gathered path is tested against.
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 MLA_PATHS = ("auto", "plain", "absorbed")
 # Queries of one request are processed in chunks so a [heads, chunk, kv_len] score block stays
-# within this many elements (long prefills would otherwise need O(L^2) memory).
+# within this many elements (long prefills would otherwise need O(L^2) memory). GPUs get larger
+# blocks: at 128K context the CPU figure leaves a handful of queries per block, launch-bound.
 SCORE_BLOCK_ELEMS = 2**26
+SCORE_BLOCK_ELEMS_CUDA = 2**29
 
 
-def query_chunk(num_heads: int, kv_len: int) -> int:
-    return max(1, SCORE_BLOCK_ELEMS // max(num_heads * kv_len, 1))
+def query_chunk(num_heads: int, kv_len: int, device: torch.device | str = "cpu") -> int:
+    elems = SCORE_BLOCK_ELEMS_CUDA if torch.device(device).type == "cuda" else SCORE_BLOCK_ELEMS
+    return max(1, elems // max(num_heads * kv_len, 1))
 
 
 @dataclass
@@ -98,19 +104,26 @@ class NativeSparseAttnBackend(AttentionBackend):
         if save_kv_cache:
             self.pool.set_mla_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, latent, k_rope)
         md: NSAMetadata = forward_batch.attn_metadata
-        absorbed = self.mla_path == "absorbed" or (
-            self.mla_path == "auto" and forward_batch.forward_mode.is_decode()
-        )
+        absorbed = self.mla_path == "absorbed"  # for dense extend ("auto" -> plain)
         if forward_batch.forward_mode.is_decode():
-            return self._decode_absorbed(layer, q_nope, q_rope, md, topk_indices)
+            if topk_indices is None:
+                return self._attend_sparse(layer, q_nope, q_rope, md.kv_indices_padded, md.kv_valid)
+            return self._attend_sparse(layer, q_nope, q_rope, *self._topk_slots(md.kv_indices_padded, topk_indices))
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], layer.v_head_dim)
         for i in range(forward_batch.batch_size):
             s, e = md.starts[i], md.extend_lens[i]
             if e == 0:
                 continue
+            if topk_indices is not None and self.mla_path != "plain":
+                step = query_chunk(layer.num_local_heads, topk_indices.shape[1], q_nope.device)
+                for c in range(s, s + e, step):
+                    rows = slice(c, min(c + step, s + e))
+                    slots, valid = self._topk_slots(md.kv_indices[i][None], topk_indices[rows])
+                    out[rows] = self._attend_sparse(layer, q_nope[rows], q_rope[rows], slots, valid)
+                continue
             latent, k_rope = self.pool.get_mla_kv(layer.layer_id, md.kv_indices[i])  # [L, c], [L, r]
             kv = None if absorbed else self._expand_kv(layer, latent, q_nope.dtype)
-            step = query_chunk(layer.num_local_heads, md.seq_lens[i])
+            step = query_chunk(layer.num_local_heads, md.seq_lens[i], q_nope.device)
             for c in range(0, e, step):
                 rows = slice(s + c, s + min(c + step, e))
                 topk = topk_indices[rows] if topk_indices is not None else None
@@ -120,6 +133,14 @@ class NativeSparseAttnBackend(AttentionBackend):
                 else:
                     out[rows] = self._attend_plain(layer, q_nope[rows], q_rope[rows], kv, k_rope, mask)
         return out
+
+    @staticmethod
+    def _topk_slots(kv_indices: torch.Tensor, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request-local top-k positions [n, K] (-1 = none) -> (KV slots [n, K], valid [n, K]).
+        kv_indices is [n, L] (one row per query) or [1, L] (all queries of one request)."""
+        idx = topk.long().clamp(min=0)
+        slots = kv_indices.expand(idx.shape[0], -1).gather(1, idx)
+        return slots, topk >= 0
 
     # -- masks -----------------------------------------------------------------------------------
     @staticmethod
@@ -162,14 +183,10 @@ class NativeSparseAttnBackend(AttentionBackend):
         o_lat = torch.einsum("hel,lc->ehc", probs.to(q_lat.dtype), latent.to(q_lat.dtype))
         return torch.einsum("ehc,hvc->ehv", o_lat, w_vc)
 
-    def _decode_absorbed(self, layer, q_nope, q_rope, md: NSAMetadata, topk) -> torch.Tensor:
-        """One query per request, batched: dense over [0, seq_len) or gathered top-k keys."""
-        if topk is None:
-            slots, valid = md.kv_indices_padded, md.kv_valid
-        else:
-            slots = md.kv_indices_padded.gather(1, topk.long().clamp(min=0))
-            valid = topk >= 0
-        latent, k_rope = self.pool.get_mla_kv(layer.layer_id, slots)  # [B, K, c], [B, K, r]
+    def _attend_sparse(self, layer, q_nope, q_rope, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA of n queries, each over its own gathered keys: slots / valid [n, K].
+        Top-k indices are causal-valid by construction, so no causal mask is applied here."""
+        latent, k_rope = self.pool.get_mla_kv(layer.layer_id, slots)  # [n, K, c], [n, K, r]
         w_kc, w_vc = layer.absorbed_weights()
         q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_kc)
         scores = torch.einsum("bhc,bkc->bhk", q_lat, latent.to(q_lat.dtype))

@@ -77,16 +77,28 @@ class Indexer(nn.Module):
                             positions, forward_batch.forward_mode.is_decode())
 
 
+def index_score_dtype(pool, device: torch.device) -> torch.dtype:
+    """The scoring matmul's input dtype. FP8 index K on a GPU scores in bf16 (tensor cores; fp32
+    accumulation, bf16 output), as the FP8 kernels do in fp8: its rounding (2^-9 relative) is far
+    below the FP8 quantisation it follows. Exact modes, and any CPU run, score in fp32."""
+    return torch.bfloat16 if pool.is_fp8 and device.type == "cuda" else torch.float32
+
+
 def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """sum_h w[., h] * relu(q[., h] . k * scale): q [B, H, D], k [B or 1, L, D], w [B, H] -> [B, L] fp32."""
-    scores = torch.relu(torch.matmul(q.float(), k.float().transpose(-1, -2)) * softmax_scale)  # [B, H, L]
-    return torch.matmul(weights.float().unsqueeze(1), scores).squeeze(1)
+    """sum_h w[., h] * relu(q[., h] . k * scale): q [B, H, D], k [B or 1, L, D], w [B, H] -> [B, L] fp32.
+    Computed in q's dtype (see index_score_dtype); the scale is folded into w (relu commutes with
+    a positive scale) so the [B, H, L] block is touched by one matmul, one in-place relu, one matmul."""
+    dtype = q.dtype
+    scores = torch.relu_(torch.matmul(q, k.to(dtype).transpose(-1, -2)))  # [B, H, L]
+    w = (weights.float() * softmax_scale).to(dtype)
+    return torch.matmul(w.unsqueeze(1), scores).squeeze(1).float()
 
 
 def compute_topk(layer_id: int, q: torch.Tensor, weights: torch.Tensor, softmax_scale: float, topk: int,
                  pool, md, positions: torch.Tensor, is_decode: bool) -> torch.Tensor:
     """Top-k request-local positions per query token, all causal-valid; -1 where fewer exist."""
     t = q.shape[0]
+    q = q.to(index_score_dtype(pool, q.device))
     out = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
     ar = torch.arange(topk, device=q.device, dtype=torch.int32)
     if is_decode:
@@ -107,9 +119,9 @@ def compute_topk(layer_id: int, q: torch.Tensor, weights: torch.Tensor, softmax_
             pos = positions[s : s + e, None]
             out[s : s + e] = torch.where(ar[None, :] <= pos, ar[None, :], -1)
             continue
-        kk = pool.get_index_k(layer_id, md.kv_indices[i])[None]  # [1, L, D] fp32
+        kk = pool.get_index_k(layer_id, md.kv_indices[i])[None].to(q.dtype)  # [1, L, D]
         keys = torch.arange(L, device=q.device)[None, :]
-        step = query_chunk(q.shape[1], L)
+        step = query_chunk(q.shape[1], L, q.device)
         for c in range(s, s + e, step):
             rows = slice(c, min(c + step, s + e))
             scores = index_scores(q[rows], kk, weights[rows], softmax_scale)

@@ -106,9 +106,9 @@ class NativeSparseAttnBackend(AttentionBackend):
         md: NSAMetadata = forward_batch.attn_metadata
         absorbed = self.mla_path == "absorbed"  # for dense extend ("auto" -> plain)
         if forward_batch.forward_mode.is_decode():
-            if topk_indices is None:
-                return self._attend_sparse(layer, q_nope, q_rope, md.kv_indices_padded, md.kv_valid)
-            return self._attend_sparse(layer, q_nope, q_rope, *self._topk_slots(md.kv_indices_padded, topk_indices))
+            slots, valid = ((md.kv_indices_padded, md.kv_valid) if topk_indices is None
+                            else self._topk_slots(md.kv_indices_padded, topk_indices))
+            return self._attend_sparse(layer, q_nope, q_rope, slots, valid)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], layer.v_head_dim)
         for i in range(forward_batch.batch_size):
             s, e = md.starts[i], md.extend_lens[i]
@@ -129,7 +129,8 @@ class NativeSparseAttnBackend(AttentionBackend):
                 topk = topk_indices[rows] if topk_indices is not None else None
                 mask = self._extend_mask(md, i, c, rows.stop - rows.start, topk, q_nope.device)
                 if absorbed:
-                    out[rows] = self._attend_absorbed(layer, q_nope[rows], q_rope[rows], latent, k_rope, mask)
+                    out[rows] = self._attend_absorbed(layer, q_nope[rows], q_rope[rows], latent[None], k_rope[None],
+                                                      mask)
                 else:
                     out[rows] = self._attend_plain(layer, q_nope[rows], q_rope[rows], kv, k_rope, mask)
         return out
@@ -175,22 +176,18 @@ class NativeSparseAttnBackend(AttentionBackend):
 
     # -- absorbed (MQA) path ------------------------------------------------------------------
     def _attend_absorbed(self, layer, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
+        """Absorbed MLA of n queries over keys shared by all of them (latent [1, K, c], k_rope
+        [1, K, r]) or gathered per query ([n, K, .]); mask [n, K] says which keys each may see."""
         w_kc, w_vc = layer.absorbed_weights()
-        q_lat = torch.einsum("ehn,hnc->ehc", q_nope, w_kc)
-        scores = torch.einsum("ehc,lc->hel", q_lat, latent.to(q_lat.dtype))
-        scores = scores + torch.einsum("ehr,lr->hel", q_rope, k_rope.to(q_rope.dtype))
-        probs = self._softmax(scores * layer.scaling, mask[None])
-        o_lat = torch.einsum("hel,lc->ehc", probs.to(q_lat.dtype), latent.to(q_lat.dtype))
-        return torch.einsum("ehc,hvc->ehv", o_lat, w_vc)
+        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_kc)
+        latent = latent.to(q_lat.dtype)
+        scores = torch.matmul(q_lat, latent.transpose(-1, -2))  # [n, h, K]
+        scores = scores + torch.matmul(q_rope, k_rope.to(q_rope.dtype).transpose(-1, -2))
+        probs = self._softmax(scores * layer.scaling, mask[:, None, :])
+        return torch.einsum("nhc,hvc->nhv", torch.matmul(probs.to(q_lat.dtype), latent), w_vc)
 
     def _attend_sparse(self, layer, q_nope, q_rope, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Absorbed MLA of n queries, each over its own gathered keys: slots / valid [n, K].
         Top-k indices are causal-valid by construction, so no causal mask is applied here."""
         latent, k_rope = self.pool.get_mla_kv(layer.layer_id, slots)  # [n, K, c], [n, K, r]
-        w_kc, w_vc = layer.absorbed_weights()
-        q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_kc)
-        scores = torch.einsum("bhc,bkc->bhk", q_lat, latent.to(q_lat.dtype))
-        scores = scores + torch.einsum("bhr,bkr->bhk", q_rope, k_rope.to(q_rope.dtype))
-        probs = self._softmax(scores * layer.scaling, valid[:, None, :])
-        o_lat = torch.einsum("bhk,bkc->bhc", probs.to(q_lat.dtype), latent.to(q_lat.dtype))
-        return torch.einsum("bhc,hvc->bhv", o_lat, w_vc)
+        return self._attend_absorbed(layer, q_nope, q_rope, latent, k_rope, valid)

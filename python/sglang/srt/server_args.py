@@ -112,11 +112,13 @@ class ServerArgs:
             md = f.metadata
             g = groups.setdefault(md["group"], parser.add_argument_group(md["group"]))
             flag = "--" + f.name.replace("_", "-")
+            # argparse %-formats help text (for %(default)s); a literal % must not be read as a code.
+            help_text = md["help"].replace("%", "%%")
             if f.type in ("bool", bool):
-                g.add_argument(flag, action="store_true", default=f.default, help=md["help"])
+                g.add_argument(flag, action="store_true", default=f.default, help=help_text)
                 continue
             kind = _cli_type(f.type)
-            g.add_argument(flag, type=kind, default=f.default, choices=md.get("choices"), help=md["help"],
+            g.add_argument(flag, type=kind, default=f.default, choices=md.get("choices"), help=help_text,
                            required=md.get("required", False), dest=f.name)
 
     @classmethod
@@ -259,6 +261,7 @@ _VALIDATORS = [_check_model, _check_runtime, _check_memory, _check_scheduling, _
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:
-    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server")
+    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ServerArgs.add_cli_args(parser)
     return ServerArgs.from_cli_args(parser.parse_args(argv))

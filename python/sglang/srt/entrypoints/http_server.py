@@ -1,19 +1,18 @@
 """FastAPI app: OpenAI-compatible routes plus SGLang's native ones.
 
 Every error is OpenAI-shaped JSON ({"error": {message, type, param, code}}) with a 4xx status
-for bad requests; unexpected exceptions become a 500 and the server keeps serving.
+for bad requests; unexpected exceptions become a 500 and the server keeps serving. Every route
+reads its body through request_io (one parsing path) and writes JSON through it (no NaN).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -21,6 +20,7 @@ from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from sglang.srt.entrypoints.openai.serving_chat import ChatHandler
 from sglang.srt.entrypoints.openai.serving_completions import CompletionHandler
 from sglang.srt.entrypoints.openai.utils import SSE_DONE, error_response, request_error_response, sse
+from sglang.srt.entrypoints.request_io import SafeJSONResponse, read_json, read_model
 from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
 from sglang.srt.server_args import ServerArgs
 
@@ -34,7 +34,7 @@ _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logp
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, version: str = "") -> FastAPI:
-    app = FastAPI(title="sglang (DSA)", version=version)
+    app = FastAPI(title="sglang (DSA)", version=version, default_response_class=SafeJSONResponse)
     served = server_args.served_model_name
     completions, chat = CompletionHandler(tm, served), ChatHandler(tm, served)
 
@@ -48,15 +48,6 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     async def _crash(request: Request, exc: Exception):  # keep serving; report as JSON
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, "server_error")
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errs):
-            return error_response("request body is not valid JSON", 400)
-        first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", []) if x != "body")
-        return error_response(f"invalid request: {loc}: {first.get('msg', 'invalid value')}", 422, param=loc or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -73,20 +64,17 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
                                             "root": server_args.model_path, "max_model_len": tm.context_len}]}
 
     @app.post("/v1/completions")
-    async def v1_completions(req: CompletionRequest, raw: Request):
-        return await completions.handle(req, raw)
+    async def v1_completions(raw: Request):
+        return await completions.handle(await read_model(raw, CompletionRequest), raw)
 
     @app.post("/v1/chat/completions")
-    async def v1_chat(req: ChatCompletionRequest, raw: Request):
-        return await chat.handle(req, raw)
+    async def v1_chat(raw: Request):
+        return await chat.handle(await read_model(raw, ChatCompletionRequest), raw)
 
     # -- native ----------------------------------------------------------------------------------------
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(raw: Request):
-        try:
-            body = json.loads(await raw.body() or b"{}")
-        except json.JSONDecodeError:
-            return error_response("request body is not valid JSON", 400)
+        body = await read_json(raw)
         try:
             reqs, single = _native_requests(body)
             prepared = [tm.prepare(r) for r in reqs]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from sglang.srt.entrypoints.openai.utils import abort_error, request_error_response
+from sglang.srt.entrypoints.request_io import SafeJSONResponse
 from sglang.srt.managers.tokenizer_manager import RequestError, TokenizerManager
 
 
@@ -32,4 +33,4 @@ class OpenAIServingBase:
             return aborted
         for (_, _, pi), res in zip(items, results):
             res["meta_info"]["prompt_index"] = pi  # usage bills each distinct prompt once
-        return JSONResponse(self._render(req, items, results))
+        return SafeJSONResponse(self._render(req, items, results))

@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 from typing import Any, AsyncIterator
 
-from fastapi.responses import JSONResponse
-
+from sglang.srt.entrypoints.request_io import SafeJSONResponse, dumps
 from sglang.srt.managers.tokenizer_manager import RequestError
 
 
 def error_response(message: str, status_code: int = 400, err_type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
+                   param: str | None = None, code: str | None = None) -> SafeJSONResponse:
     body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status_code)
+    return SafeJSONResponse(body, status_code=status_code)
 
 
-def request_error_response(e: RequestError) -> JSONResponse:
+def request_error_response(e: RequestError) -> SafeJSONResponse:
     return error_response(e.message, e.status_code, e.err_type, e.param, e.code)
 
 
-def abort_error(results: list[dict]) -> JSONResponse | None:
+def abort_error(results: list[dict]) -> SafeJSONResponse | None:
     """A request the scheduler refused or aborted becomes an error response, not a choice."""
     for r in results:
         fr = r["meta_info"].get("finish_reason") or {}
@@ -32,7 +30,7 @@ def abort_error(results: list[dict]) -> JSONResponse | None:
 
 
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -9,6 +9,9 @@ import dataclasses
 import json
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -108,3 +111,121 @@ def test_in_range_logit_bias_with_logprobs_is_strict_json(server, client):
     json.loads(r.text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
     assert client.completions.create(model="default", prompt="x", max_tokens=3, logit_bias={"5": -100},
                                      temperature=0).choices[0].finish_reason == "length"
+
+
+# -- a non-stream client that goes away ----------------------------------------------------------------
+def test_abandoned_non_stream_request_is_aborted_at_once(server):
+    """The client disconnects while its 2000-token request runs: the request must stop within a
+    step or so (the KV it leaves in the prefix cache shows how far it got), not run to the end."""
+    requests.post(server.base_url + "/flush_cache", timeout=60)
+    prompt = list(range(10, 26))
+    sock = server.open_request("/generate", {"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": CONTEXT - len(prompt), "temperature": 0, "ignore_eos": True}})
+    server.wait_state(lambda st: st["num_running_reqs"] == 1, "running the request")
+    sock.close()
+    st = _kv_whole(server)
+    generated = st["kv_cached_tokens"] - len(prompt)
+    assert 0 <= generated < (CONTEXT - len(prompt)) // 2, st  # aborted, not run to completion
+
+
+# -- rid ------------------------------------------------------------------------------------------------
+def test_rid_reuse_right_after_cancel(server):
+    """Cancel a stream, then reuse its rid at once: the new request must never get the old one's
+    abort; at most it is told (400, param rid) that the rid is still in flight."""
+    url = server.base_url + "/generate"
+    long = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    outcomes = []
+    for i in range(10):
+        rid = f"reuse-{i}"
+        with requests.post(url, json={"text": "count:", "rid": rid, "stream": True, "sampling_params": long},
+                           stream=True, timeout=120) as resp:
+            assert resp.status_code == 200
+            next(line for line in resp.iter_lines() if line.startswith(b"data: {"))
+        r = requests.post(url, json={"text": "again", "rid": rid, "sampling_params": {
+            "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}, timeout=120)
+        if r.status_code == 200:
+            meta = r.json()["meta_info"]
+            assert meta["id"] == rid and meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 3
+            outcomes.append("ok")
+        else:
+            assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
+            assert "in flight" in r.json()["error"]["message"]
+            outcomes.append("in flight")
+    assert "ok" in outcomes, outcomes
+    _kv_whole(server)
+
+
+def test_rid_in_flight_is_refused(server):
+    url = server.base_url + "/generate"
+    body = {"text": "count:", "rid": "dup", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    with requests.post(url, json=body, stream=True, timeout=120) as resp:
+        lines = resp.iter_lines()  # held: dropping the iterator would close the connection
+        next(line for line in lines if line.startswith(b"data: {"))
+        for second in (body, {**body, "stream": False}):
+            r = requests.post(url, json=second, timeout=120)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
+    _kv_whole(server)
+
+
+# -- huge prompts ------------------------------------------------------------------------------------------
+def test_huge_prompts_rejected_without_stalling_other_clients(server):
+    """Three ~8 MB bodies at once (text that would take tens of seconds to tokenize, and millions
+    of input ids): each is refused as too long, and /health answers throughout."""
+    text = "hello world, some words. " * 320_000
+    bodies = [("/v1/completions", {"model": "default", "prompt": text, "max_tokens": 1}),
+              ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": text}]}),
+              ("/generate", {"input_ids": [5] * 2_000_000})]
+    results = {}
+
+    def send(path, body):
+        results[path] = requests.post(server.base_url + path, json=body, timeout=600)
+
+    threads = [threading.Thread(target=send, args=pb) for pb in bodies]
+    for t in threads:
+        t.start()
+    worst = 0.0
+    while any(t.is_alive() for t in threads):
+        t0 = time.monotonic()
+        assert requests.get(server.base_url + "/health", timeout=600).status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+    # Tokenizing one such prompt on the event loop stalled /health for 5-30 s; a slow machine may
+    # take a few hundred ms for a round trip, never seconds.
+    assert worst < 3.0, f"/health took {worst:.1f}s while the huge prompts were handled"
+    for path, _ in bodies:
+        err = results[path].json()["error"]
+        assert results[path].status_code == 400 and err["param"] == "prompt", err
+        assert err["code"] == "context_length_exceeded", err
+    assert "at least" in results["/v1/completions"].json()["error"]["message"]  # refused before tokenizing
+    _serving(server)
+
+
+# -- many clients at once ------------------------------------------------------------------------------------
+def test_100_concurrent_mixed_clients(server, client):
+    def one(i: int) -> str:
+        kind = i % 4
+        if kind == 0:
+            stream = client.completions.create(model="default", prompt=f"stream {i}:", max_tokens=6, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            chunks = list(stream)
+            assert chunks[-1].choices[0].finish_reason == "length"
+            return "".join(c.choices[0].text for c in chunks)
+        if kind == 1:
+            r = client.completions.create(model="default", prompt=f"plain {i}:", max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.usage.completion_tokens == 6
+            return r.choices[0].text
+        msgs = [{"role": "user", "content": f"chat {i}"}]
+        if kind == 2:
+            r = client.chat.completions.create(model="default", messages=msgs, max_tokens=6, temperature=0,
+                                               extra_body={"ignore_eos": True})
+            assert r.usage.completion_tokens == 6
+            return r.choices[0].message.content
+        chunks = list(client.chat.completions.create(model="default", messages=msgs, max_tokens=6, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True}))
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(120) as pool:
+        texts = list(pool.map(one, range(120)))  # any exception (an error status) fails the test
+    assert len(texts) == 120 and all(isinstance(t, str) for t in texts)
+    _kv_whole(server)

@@ -19,8 +19,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, now_s
 from sglang.srt.entrypoints.openai.serving_chat import ChatHandler
 from sglang.srt.entrypoints.openai.serving_completions import CompletionHandler
+from sglang.srt.entrypoints.openai.serving_base import CLIENT_CLOSED_REQUEST
 from sglang.srt.entrypoints.openai.utils import SSE_DONE, error_response, request_error_response, sse
-from sglang.srt.entrypoints.request_io import SafeJSONResponse, read_json, read_model
+from sglang.srt.entrypoints.request_io import (
+    ClientDisconnected,
+    SafeJSONResponse,
+    read_json,
+    read_model,
+    unless_disconnected,
+)
 from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
 from sglang.srt.server_args import ServerArgs
 
@@ -75,16 +82,18 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(raw: Request):
         body = await read_json(raw)
-        try:
-            reqs, single = _native_requests(body)
-            prepared = [tm.prepare(r) for r in reqs]
-        except RequestError as e:
-            return request_error_response(e)
+        reqs, single = await asyncio.to_thread(_native_requests, body)  # O(len(input_ids)) checks
+        prepared = await asyncio.gather(*map(tm.prepare, reqs))
         if body.get("stream"):
             if not single:
                 return error_response("stream=true takes a single prompt", 400, param="stream")
+            tm.check_can_start(prepared[0][0])
             return StreamingResponse(_native_stream(tm, reqs[0], prepared[0]), media_type="text/event-stream")
-        results = await asyncio.gather(*[tm.generate_full(r, p, raw.is_disconnected) for r, p in zip(reqs, prepared)])
+        try:
+            results = await unless_disconnected(raw, asyncio.gather(*[tm.generate_full(r, p)
+                                                                      for r, p in zip(reqs, prepared)]))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         for r in results:
             fr = r["meta_info"].get("finish_reason") or {}
             if fr.get("type") == "abort" and fr.get("status_code", 400) >= 400 and len(results) == 1:
@@ -210,7 +219,10 @@ def _native_requests(body: dict) -> tuple[list[GenerateRequest], bool]:
     if len(sps) != len(prompts) or not all(isinstance(x, dict) for x in sps):
         raise RequestError(f"sampling_params must be an object or a list of {len(prompts)} objects",
                            param="sampling_params")
-    rid = _typed(body, "rid", (str, list), None, lambda r: isinstance(r, str) or (_is_str_list(r) and len(r) == len(prompts)))
+    rid = _typed(body, "rid", (str, list), None, lambda r: isinstance(r, str) or (
+        _is_str_list(r) and len(r) == len(prompts) and len(set(r)) == len(r)))
+    if isinstance(rid, str) and not single:
+        raise RequestError("rid must be a list of distinct ids, one per prompt, for a batch", param="rid")
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     return_logprob = _typed(body, "return_logprob", (bool,), False)
     start = _typed(body, "logprob_start_len", (int,), -1, lambda v: v >= -1)

@@ -6,6 +6,8 @@ it); OpenAI-shaped models are then validated by pydantic. Every failure is a `Re
 422 naming the field). Parsing runs in a worker thread, so a large body does not stall the loop.
 Out: JSON has no NaN / Infinity, so non-finite floats are written as OpenAI does for impossible
 tokens (-inf -> -9999.0) or as null (NaN), in responses and in SSE events alike.
+While a non-streaming request runs, its client's disconnect is watched so the request is
+aborted at once (streams get the same from Starlette's disconnect listener).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import json
 import math
 import re
-from typing import Any, TypeVar
+from typing import Any, Awaitable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -23,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from sglang.srt.managers.tokenizer_manager import RequestError
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 # A lone surrogate can only arrive as a \uD800-\uDFFF escape (raw surrogate bytes are not UTF-8),
 # so bodies without such an escape skip the walk over the parsed value.
@@ -115,3 +118,33 @@ def dumps(obj: Any) -> str:
 class SafeJSONResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
         return dumps(content).encode("utf-8", "replace")
+
+
+# -- disconnects -------------------------------------------------------------------------------------
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _until_disconnect(raw: Request) -> None:
+    # The body is already read, so the next ASGI message is the disconnect (or nothing).
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client goes away first, cancel it (which aborts its requests) and
+    raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnect(raw))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled: take the work with it
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 from typing import Any, AsyncIterator
 
 from sglang.srt.entrypoints.request_io import SafeJSONResponse, dumps
 from sglang.srt.managers.tokenizer_manager import RequestError
+from sglang.srt.managers.tokenizer_utils import byte_level_decoder
 
 
 def error_response(message: str, status_code: int = 400, err_type: str = "invalid_request_error",
@@ -82,23 +82,10 @@ def token_text(tokenizer, token_id: int) -> str:
     return text
 
 
-@functools.lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of the GPT-2 byte-level alphabet (printable stand-ins for the 256 byte values)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
 def token_bytes(tokenizer, token_id: int) -> list[int]:
     """The token's raw bytes (byte-level BPE tokens can be partial UTF-8 sequences)."""
     tok = tokenizer.convert_ids_to_tokens(token_id)
-    dec = _byte_decoder()
+    dec = byte_level_decoder()
     if isinstance(tok, str) and tok and all(ch in dec for ch in tok):
         return [dec[ch] for ch in tok]
     return list(token_text(tokenizer, token_id).encode("utf-8"))

@@ -168,6 +168,39 @@ def test_rid_in_flight_is_refused(server):
     _kv_whole(server)
 
 
+# -- max_tokens 0 -----------------------------------------------------------------------------------------
+def test_max_tokens_zero_generates_nothing(server, client):
+    prompt = "The capital of France is"
+    c = client.completions.create(model="default", prompt=prompt, max_tokens=0)
+    assert c.choices[0].text == "" and c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 0
+    chunks = list(client.completions.create(model="default", prompt=prompt, max_tokens=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == "" and chunks[-1].choices[0].finish_reason == "length"
+    ch = client.chat.completions.create(model="default", messages=CHAT["messages"], max_tokens=0)
+    assert ch.choices[0].message.content == "" and ch.usage.completion_tokens == 0
+    g = requests.post(server.base_url + "/generate", json={"text": prompt, "sampling_params": {"max_new_tokens": 0}})
+    assert g.json()["output_ids"] == [] and g.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    # echo + logprobs: the prompt's logprobs still come back (first token has none), nothing else
+    e = client.completions.create(model="default", prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    lp = e.choices[0].logprobs
+    assert e.choices[0].text == prompt and len(lp.tokens) == e.usage.prompt_tokens == len(lp.top_logprobs)
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    _kv_whole(server)
+
+
+def test_token_accounting_at_the_context_length(server, client):
+    ids = [7] * CONTEXT
+    full = client.completions.create(model="default", prompt=ids, max_tokens=0)
+    assert full.usage.prompt_tokens == full.usage.total_tokens == CONTEXT
+    near = client.completions.create(model="default", prompt=ids[:-3], max_tokens=3, extra_body={"ignore_eos": True})
+    assert near.usage.completion_tokens == 3 and near.usage.total_tokens == CONTEXT
+    g = requests.post(server.base_url + "/generate", json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 0}}).json()["meta_info"]
+    assert g["prompt_tokens"] + g["completion_tokens"] == CONTEXT
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model="default", prompt=ids, max_tokens=1)
+    _kv_whole(server)
+
+
 # -- huge prompts ------------------------------------------------------------------------------------------
 def test_huge_prompts_rejected_without_stalling_other_clients(server):
     """Three ~8 MB bodies at once (text that would take tens of seconds to tokenize, and millions

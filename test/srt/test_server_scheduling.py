@@ -161,3 +161,14 @@ def test_eos_stop_token_ids_and_ignore_eos(server):
     r = requests.post(url, json={"text": "hi", "sampling_params": {
         "temperature": 0, "max_new_tokens": 10, "logit_bias": {str(tok): 100.0}, "stop_token_ids": [tok]}}).json()
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok} and r["output_ids"] == [tok]
+
+
+def test_max_tokens_zero_with_prompt_logprobs_across_chunks(chunked_server):
+    """Prefill in 16-token chunks, nothing sampled: every prompt position's logprob comes back."""
+    ids = list(range(40, 80))
+    r = requests.post(chunked_server.base_url + "/generate", json={
+        "input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 0}}).json()
+    assert r["output_ids"] == [] and r["meta_info"]["finish_reason"]["type"] == "length"
+    lps = r["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in lps] == ids and lps[0][0] is None and all(lp <= 0 for lp, _, _ in lps[1:])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -262,3 +263,32 @@ def test_100_concurrent_mixed_clients(server, client):
         texts = list(pool.map(one, range(120)))  # any exception (an error status) fails the test
     assert len(texts) == 120 and all(isinstance(t, str) for t in texts)
     _kv_whole(server)
+
+
+# -- SIGTERM with a stream in flight --------------------------------------------------------------------------
+def test_sigterm_drains_then_aborts_and_exits():
+    grace = 3.0
+    s = ServerProcess(MODEL, "--max-total-tokens", "4096", "--graceful-shutdown-timeout", str(grace))
+    try:
+        body = {"model": "default", "prompt": "count:", "max_tokens": 4000, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        after_signal, finish = [], None
+        with requests.post(s.base_url + "/v1/completions", json=body, stream=True, timeout=300) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith(b"data: {"))
+            s.proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            for line in lines:
+                if line.startswith(b"data: {"):
+                    choice = json.loads(line[len(b"data: "):])["choices"][0]
+                    after_signal.append(time.monotonic() - sent)
+                    finish = choice["finish_reason"] or finish
+                if line == b"data: [DONE]":
+                    break
+        assert finish == "abort", finish  # ended by the server, with a final event, not cut off
+        # It kept streaming through the grace period (the timer starts when the server sees the signal).
+        assert len(after_signal) > 1 and after_signal[-1] >= grace - 0.5, after_signal
+        s.proc.wait(timeout=120)
+        assert "aborted 1 request(s) still running" in s.log()
+    finally:
+        s.stop()

@@ -80,6 +80,9 @@ class ServerArgs:
     port: int = _f(30000, "HTTP port.", "http")
     api_key: str | None = _f(None, "Require 'Authorization: Bearer KEY' on every route but /health.", "http")
     enable_metrics: bool = _f(False, "Serve Prometheus metrics at /metrics.", "http")
+    graceful_shutdown_timeout: float = _f(20.0, "On SIGTERM / Ctrl-C: stop accepting requests, let those in flight "
+                                          "finish for up to this many seconds, then abort the rest and exit.",
+                                          "http")
 
     # -- logging ------------------------------------------------------------------------------
     log_level: str = _f("info", "Log level.", "logging", LOG_LEVELS)
@@ -236,6 +239,9 @@ def _check_http(args: ServerArgs) -> None:
         raise ServerArgsError("port", f"must be in 1..65535, got {args.port}")
     if args.api_key is not None and not args.api_key.strip():
         raise ServerArgsError("api_key", "must not be empty")
+    t = args.graceful_shutdown_timeout
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+        raise ServerArgsError("graceful_shutdown_timeout", f"must be a finite number of seconds >= 0, got {t!r}")
 
 
 def _check_logging(args: ServerArgs) -> None:

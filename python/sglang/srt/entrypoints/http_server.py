@@ -20,7 +20,7 @@ from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from sglang.srt.entrypoints.openai.serving_chat import ChatHandler
 from sglang.srt.entrypoints.openai.serving_completions import CompletionHandler
 from sglang.srt.entrypoints.openai.serving_base import CLIENT_CLOSED_REQUEST
-from sglang.srt.entrypoints.openai.utils import SSE_DONE, error_response, request_error_response, sse
+from sglang.srt.entrypoints.openai.utils import SSE_DONE, abort_error, error_response, request_error_response, sse
 from sglang.srt.entrypoints.request_io import (
     ClientDisconnected,
     SafeJSONResponse,
@@ -94,11 +94,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
                                                                       for r, p in zip(reqs, prepared)]))
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        for r in results:
-            fr = r["meta_info"].get("finish_reason") or {}
-            if fr.get("type") == "abort" and fr.get("status_code", 400) >= 400 and len(results) == 1:
-                return error_response(fr.get("message", "aborted"), fr.get("status_code", 400))
-        return results[0] if single else results
+        aborted = abort_error(results) if len(results) == 1 else None  # a batch reports aborts per item
+        return aborted or (results[0] if single else results)
 
     @app.get("/health")
     async def health():

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, TypeVar
@@ -70,6 +71,13 @@ class _LiveState(RequestState):
         self.event = asyncio.Event()
         self.deltas: list[str] = []
 
+    def finish_here(self, reason: dict) -> None:
+        """End the request without waiting for the scheduler (server shutdown)."""
+        self.meta["finish_reason"] = reason
+        self.meta["e2e_latency"] = time.monotonic() - self.created
+        self.finished = True
+        self.event.set()
+
 
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, scheduler_info: dict, metrics=None) -> None:
@@ -90,6 +98,7 @@ class TokenizerManager:
         self.bytes_per_token_bound = max_input_bytes_per_token(self.tokenizer)
         self._pool = ThreadPoolExecutor(max_workers=min(8, max(2, os.cpu_count() or 1)),
                                         thread_name_prefix="tokenize")
+        self.shutting_down = False
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -195,6 +204,8 @@ class TokenizerManager:
         return await self.run_in_pool(self.prepare_sync, req)
 
     def check_can_start(self, rid: str) -> None:
+        if self.shutting_down:
+            raise RequestError("the server is shutting down", 503, err_type="server_error")
         if rid in self.rid_in_flight:
             raise RequestError(f"request id (rid) {rid!r} is still in flight; use another rid or wait for it "
                                "to finish", param="rid")
@@ -246,6 +257,14 @@ class TokenizerManager:
             return
         self._forget(iid)
         asyncio.ensure_future(self.send_to_scheduler.send_pyobj(AbortReq(iid)))
+
+    def abort_all(self, message: str, status_code: int = 503) -> int:
+        """End every request in flight now (each client gets an abort finish), e.g. at shutdown."""
+        n = len(self.states)
+        for iid, state in list(self.states.items()):
+            self.abort(iid)
+            state.finish_here({"type": "abort", "message": message, "status_code": status_code})
+        return n
 
     async def generate_full(self, req: GenerateRequest, prepared=None) -> dict:
         result = None

@@ -25,7 +25,9 @@ def abort_error(results: list[dict]) -> SafeJSONResponse | None:
     for r in results:
         fr = r["meta_info"].get("finish_reason") or {}
         if fr.get("type") == "abort":
-            return error_response(fr.get("message", "request aborted"), fr.get("status_code", 400))
+            status = fr.get("status_code", 400)
+            return error_response(fr.get("message", "request aborted"), status,
+                                  "server_error" if status >= 500 else "invalid_request_error")
     return None
 
 

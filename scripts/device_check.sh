@@ -28,6 +28,6 @@ for step in $steps; do
       shape=$([ "$step" = bench-v32 ] && echo deepseek-v32 || echo glm-5)
       timeout ${BENCH_TIMEOUT:-300} python3 benchmark/indexcache/bench_indexcache.py --shape $shape --device cuda \
         --dtype bfloat16 --contexts ${BENCH_CONTEXTS:-4096,8192,16384} --decode-batch ${BENCH_DECODE_BATCH:-4} --decode-steps ${BENCH_DECODE_STEPS:-16} \
-        --repeats 1 --out-dir "$OUT" 2>&1 | grep -v "it/s" | tail -14 | tee "$OUT/$step.txt" ;;
+        --repeats ${BENCH_REPEATS:-3} --out-dir "$OUT" 2>&1 | grep -v "it/s" | tail -14 | tee "$OUT/$step.txt" ;;
   esac
 done

@@ -5,6 +5,12 @@ Layers use DeepSeek-V3.2 / GLM-5 attention + indexer shapes with random (dummy) 
 is replaced by a dense MLP of the same active FLOPs (9 x moe_intermediate: 8 routed + 1 shared),
 and the vocabulary is the builtin tokenizer's (embedding / LM head do not matter here).
 
+Method: every freq's engine stays loaded; each repeat measures all freqs in turn on the same
+prompts, the order alternating (1, 2, 4 then 4, 2, 1), with no instrumentation; each reported time
+is the median over repeats. The indexer's share comes from a separate pass with a synchronising
+timer around Indexer.forward: its syncs stall a launch-bound decode loop (more calls at freq 1), so
+they must not be in the timed pass.
+
     # GPU, real shapes
     python benchmark/indexcache/bench_indexcache.py --shape deepseek-v32 --device cuda --dtype bfloat16 \\
         --contexts 8192,16384,32768
@@ -18,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -33,6 +40,8 @@ SHAPES = {
                   q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
                   index_n_heads=32, index_head_dim=128, index_topk=2048, intermediate_size=9 * 2048),
 }
+METHOD = ("times: median of interleaved repeats (freqs in turn, order alternating, same prompts), no indexer "
+          "timer; indexer shares: a separate pass with a synchronising timer around Indexer.forward")
 CPU_SMALL = dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=16, intermediate_size=2048,
                  index_topk=512)
 
@@ -53,7 +62,11 @@ def make_config_dir(shape: dict, layers: int, max_pos: int) -> str:
 
 
 class IndexerTimer:
-    """Wall time inside Indexer.forward (synchronising on CUDA so the time is the kernel time)."""
+    """Wall time inside Indexer.forward, synchronising on CUDA so the time is the kernel time.
+
+    Only for the indexer-share pass: its synchronize pairs (one per indexer call, so more at freq 1
+    than at freq 4) stall a launch-bound decode loop, which inflated the freq-1 baseline of the
+    first decode results. Speed ratios come from the untimed pass."""
 
     def __init__(self, device: str) -> None:
         from sglang.srt.layers.attention.nsa import nsa_indexer
@@ -80,72 +93,119 @@ class IndexerTimer:
         self.mod.Indexer.forward = self.orig
 
 
-def _timed_steps(engine, timer, n_steps: int | None = None) -> tuple[float, float, list[float]]:
-    """Run scheduler steps (all remaining, or n_steps); returns (seconds, indexer seconds, per-step
-    seconds). Each step is synchronised on its own so single steps can be summarised by a median."""
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_steps(engine, device: str, n_steps: int | None = None) -> tuple[float, list[float]]:
+    """Run scheduler steps (all remaining, or n_steps); returns (seconds, per-step seconds). Each
+    step is synchronised on its own so single steps can be summarised by a median."""
     sched = engine.scheduler
-    timer.sync()
-    timer.total, per_step = 0.0, []
+    _sync(device)
+    per_step = []
     t0 = time.perf_counter()
     while sched.has_work() and (n_steps is None or len(per_step) < n_steps):
         ts = time.perf_counter()
         sched.step()
-        timer.sync()
+        _sync(device)
         per_step.append(time.perf_counter() - ts)
-    return time.perf_counter() - t0, timer.total, per_step
+    return time.perf_counter() - t0, per_step
 
 
-def bench_one(path: str, freq: int, offset: int, args) -> dict:
+def make_engine(path: str, freq: int, offset: int, args):
     from sglang.srt.entrypoints.engine import Engine
-    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
-    from sglang.srt.sampling.sampling_params import SamplingParams
 
     max_ctx = max(args.contexts)
     engine = Engine(model_path=path, load_format="dummy", dtype=args.dtype, device=args.device,
                     nsa_index_topk_freq=freq, nsa_index_topk_offset=offset, nsa_index_k_dtype=args.index_k_dtype,
                     disable_radix_cache=True, chunked_prefill_size=-1, max_prefill_tokens=max_ctx,
                     max_total_tokens=(max_ctx + args.decode_steps + 64) * args.decode_batch + 256, random_seed=0)
-    pool = engine.scheduler.model_runner.token_to_kv_pool
-    sched = engine.model_config.index_layer_schedule
+    _submit(engine, [1, 2, 3], 2)
+    _timed_steps(engine, args.device)  # warm-up
+    return engine
+
+
+def _submit(engine, ids: list[int], new_tokens: int) -> None:
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine.scheduler.add_request(TokenizedGenerateReqInput(f"r{time.monotonic_ns()}", ids, sp))
+
+
+def run_pass(engine, prompts: list[list[int]], args, timer: IndexerTimer | None = None) -> dict:
+    """One sample at one context: prompts[0] prefilled alone (one extend step), then the decode
+    steps of the batch of all prompts at that context. With `timer`: the indexer's seconds too."""
+    def indexer_s() -> float:
+        return timer.total if timer is not None else 0.0
+
+    _submit(engine, prompts[0], args.decode_steps + 1)
+    i0 = indexer_s()
+    prefill_s, _ = _timed_steps(engine, args.device, 1)
+    pre_idx = indexer_s() - i0
+    for ids in prompts[1:]:
+        _submit(engine, ids, args.decode_steps + 1)
+    _timed_steps(engine, args.device, len(prompts) - 1)  # their prefills (max_prefill_tokens = context)
+    i0 = indexer_s()
+    dec_s, steps = _timed_steps(engine, args.device, args.decode_steps)
+    dec_idx = indexer_s() - i0
+    _timed_steps(engine, args.device)  # drain
+    # median step: decode steps are short and host-launch-bound, so a mean is noisy
+    return {"prefill_s": prefill_s, "decode_step_s": statistics.median(steps), "decode_mean_step_s": dec_s / len(steps),
+            "prefill_indexer_s": pre_idx, "decode_indexer_s": dec_idx}
+
+
+def measure(engine, prompts: list[list[int]], args) -> dict:
+    """The timed pass (no instrumentation): what the speed ratios are computed from."""
+    out = run_pass(engine, prompts, args)
+    return {k: out[k] for k in ("prefill_s", "decode_step_s", "decode_mean_step_s")}
+
+
+def measure_indexer_share(engine, prompts: list[list[int]], args) -> dict:
+    """The separate pass with the indexer timer: the indexer's share of prefill and decode."""
     timer = IndexerTimer(args.device)
-    g = torch.Generator().manual_seed(0)
-    rows = []
-
-    def submit(ids: list[int], new_tokens: int) -> None:
-        sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        engine.scheduler.add_request(TokenizedGenerateReqInput(f"r{time.monotonic_ns()}", ids, sp))
-
     try:
-        submit([1, 2, 3], 2)
-        _timed_steps(engine, timer)  # warm-up
-        for L in args.contexts:
-            best = None
-            for _ in range(args.repeats):
-                # prefill: one request of L tokens, alone (one extend step)
-                submit(torch.randint(5, 1000, (L,), generator=g).tolist(), 1)
-                pre, pre_idx, _ = _timed_steps(engine, timer)
-                # decode: a batch of requests at context ~L; prefill them first, then time decode steps
-                for _ in range(args.decode_batch):
-                    submit(torch.randint(5, 1000, (L,), generator=g).tolist(), args.decode_steps + 1)
-                _timed_steps(engine, timer, args.decode_batch)  # the prefills (max_prefill_tokens = L)
-                dec, dec_idx, steps = _timed_steps(engine, timer, args.decode_steps)
-                _timed_steps(engine, timer)  # drain
-                # median step: decode steps are short and host-launch-bound, so a mean is noisy
-                row = {"context": L, "prefill_s": pre, "prefill_indexer_share": pre_idx / pre,
-                       "decode_step_s": statistics.median(steps), "decode_mean_step_s": dec / len(steps),
-                       "decode_indexer_share": dec_idx / dec}
-                if best is None or row["prefill_s"] + row["decode_step_s"] < best["prefill_s"] + best["decode_step_s"]:
-                    best = row
-            rows.append(best)
+        out = run_pass(engine, prompts, args, timer)
     finally:
         timer.restore()
-    return {"freq": freq, "offset": offset, "schedule": sched.describe(), "full_layers": len(sched.full_layer_ids),
-            "kv_bytes_per_token": pool.kv_bytes_per_token(), "index_bytes_per_token": pool.index_bytes_per_token,
-            "rows": rows}
+    return {"prefill_indexer_share": out["prefill_indexer_s"] / out["prefill_s"],
+            "decode_indexer_share": out["decode_indexer_s"] / (out["decode_mean_step_s"] * args.decode_steps)}
+
+
+def bench(path: str, freqs: list[int], args) -> list[dict]:
+    """All freqs side by side: every engine stays loaded and each repeat measures them in turn,
+    alternating the order (1, 2, 4 then 4, 2, 1), on the same prompts; each point is the median."""
+    engines = {f: make_engine(path, f, args.offset, args) for f in tqdm(freqs, desc="load")}
+    g = torch.Generator().manual_seed(0)
+    rows: dict[int, list[dict]] = {f: [] for f in freqs}
+    for L in args.contexts:
+        samples: dict[int, list[dict]] = {f: [] for f in freqs}
+        for r in tqdm(range(args.repeats), desc=f"context {L}"):
+            prompts = [torch.randint(5, 1000, (L,), generator=g).tolist() for _ in range(args.decode_batch)]
+            for f in (freqs if r % 2 == 0 else freqs[::-1]):
+                samples[f].append(measure(engines[f], prompts, args))
+        for f in freqs:
+            row = {"context": L, **{k: statistics.median(s[k] for s in samples[f]) for k in samples[f][0]},
+                   "samples": samples[f]}
+            row.update(measure_indexer_share(engines[f], prompts, args))
+            rows[f].append(row)
+    runs = []
+    for f, engine in engines.items():
+        pool = engine.scheduler.model_runner.token_to_kv_pool
+        sched = engine.model_config.index_layer_schedule
+        runs.append({"freq": f, "offset": args.offset, "schedule": sched.describe(),
+                     "full_layers": len(sched.full_layer_ids), "kv_bytes_per_token": pool.kv_bytes_per_token(),
+                     "index_bytes_per_token": pool.index_bytes_per_token, "rows": rows[f]})
+    return runs
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the JSON has every number; the plot is optional
+        print(f"matplotlib is not installed, so no {path} (pip install -e './python[bench]')", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -180,7 +240,8 @@ def main() -> None:
     p.add_argument("--contexts", default="1024,2048,4096")
     p.add_argument("--decode-batch", type=int, default=4)
     p.add_argument("--decode-steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=2, help="best of N per point (machine noise)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved repeats per point (freqs measured in turn, order alternating); median")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--index-k-dtype", default="fp8_e4m3")
@@ -190,7 +251,7 @@ def main() -> None:
     args.contexts = [int(x) for x in args.contexts.split(",")]
     shape = {**SHAPES[args.shape], **(CPU_SMALL if args.cpu_small else {})}
     path = make_config_dir(shape, args.layers, max(args.contexts) + args.decode_steps + 128)
-    runs = [bench_one(path, int(f), args.offset, args) for f in tqdm(args.freqs.split(","), desc="freq")]
+    runs = bench(path, [int(f) for f in args.freqs.split(",")], args)
     base = runs[0]
     for run in runs:
         run["kv_saved_vs_freq1"] = 1 - run["kv_bytes_per_token"] / base["kv_bytes_per_token"]
@@ -199,7 +260,8 @@ def main() -> None:
             r["decode_speedup_vs_freq1"] = b["decode_step_s"] / r["decode_step_s"]
     result = {"shape": args.shape, "cpu_small": args.cpu_small, "layers": args.layers, "device": args.device,
               "dtype": args.dtype, "index_k_dtype": args.index_k_dtype, "index_topk": shape["index_topk"],
-              "decode_batch": args.decode_batch, "torch": torch.__version__, "shape_params": shape, "runs": runs}
+              "decode_batch": args.decode_batch, "torch": torch.__version__, "shape_params": shape,
+              "repeats": args.repeats, "method": METHOD, "runs": runs}
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"indexcache_{args.shape}_{args.device}{'_small' if args.cpu_small else ''}")
     with open(stem + ".json", "w") as f:

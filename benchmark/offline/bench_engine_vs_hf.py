@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
@@ -62,7 +63,11 @@ def run(args) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the JSON has every number; the plot is optional
+        print(f"matplotlib is not installed, so no {path} (pip install -e './python[bench]')", file=sys.stderr)
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

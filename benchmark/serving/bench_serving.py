@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -538,9 +539,13 @@ def format_summary(result: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def plot(result: dict, path: str) -> str:
+def plot(result: dict, path: str) -> str | None:
     """TTFT / E2E histograms, latency CDFs and a per-request timeline into a PNG at ``path``."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the JSON has every number; the plot is optional
+        print(f"matplotlib is not installed, so no {path} (pip install -e './python[bench]')", file=sys.stderr)
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -665,8 +670,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     plot_path = args.plot or (os.path.splitext(args.output_file)[0] + ".png" if args.output_file else None)
     if plot_path and not args.no_plot:
         try:
-            plot(result, plot_path)
-            print(f"plot: {plot_path}")
+            if plot(result, plot_path):
+                print(f"plot: {plot_path}")
         except Exception:  # noqa: BLE001 -- a plotting failure must not lose the measurements
             traceback.print_exc()
     return result

@@ -13,7 +13,9 @@ from sglang.srt.testing.server import ServerProcess
 MODEL = "builtin:tiny-deepseek-v32"
 N_REQUESTS = int(os.environ.get("SGLANG_FUZZ_REQUESTS", "150"))
 WEIRD = [None, True, False, 0, -1, 1, 2**31, -2**63, 1e308, -1e-9, 0.5, float("nan"), "", "x", "NaN", [], [1, -5],
-         {}, {"a": 1}, [[]], "\x00\udfff".encode("utf-8", "surrogatepass").decode("utf-8", "replace"), "é" * 50]
+         {}, {"a": 1}, [[]], "\x00\udfff".encode("utf-8", "surrogatepass").decode("utf-8", "replace"), "é" * 50,
+         # issue 9: lone surrogates (sent as JSON escapes), values beyond float32, logit_bias out of range
+         "\ud800", ["ok", "\udfff x"], 1e39, {"5": 1e39}, {"5": -101}]
 FIELDS = {
     "/v1/completions": ["model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed",
                         "logprobs", "echo", "presence_penalty", "frequency_penalty", "logit_bias", "top_k",
@@ -38,12 +40,20 @@ def _mutate(rng: random.Random, path: str) -> bytes:
     if path == "/generate" and rng.random() < 0.3:
         body["sampling_params"] = {rng.choice(["max_new_tokens", "temperature", "top_k", "stop", "min_p", "n",
                                                 "logit_bias", "ignore_eos", "seed", "bogus"]): rng.choice(WEIRD)}
+    if rng.random() < 0.2:  # logprobs make an unvalidated logit_bias surface as NaN in the answer
+        body.update({"/generate": {"return_logprob": True}, "/v1/completions": {"logprobs": 2},
+                     "/v1/chat/completions": {"logprobs": True}}[path])
     raw = json.dumps(body, allow_nan=True).encode()
     r = rng.random()
     if r < 0.05:
         raw = raw[: rng.randint(0, len(raw))]  # truncated JSON
     elif r < 0.08:
         raw = b"[" + raw + b"]"
+    elif r < 0.10:
+        raw = b'{"text": ' * 20_000 + raw + b"}" * 20_000  # nested past the recursion limit
+    elif r < 0.12:
+        cut = rng.randint(0, len(raw))
+        raw = raw[:cut] + b"\xff\xfe" + raw[cut:]  # not UTF-8
     return raw
 
 
@@ -65,6 +75,9 @@ def test_fuzzed_bodies_never_5xx(server):
         except requests.RequestException as e:  # the server must not drop connections either
             pytest.fail(f"request {i} to {path} failed: {e}; body {raw[:200]!r}")
         assert r.status_code < 500, (path, raw[:300], r.text[:300])
+        for part in r.text.split("data: ") if "text/event-stream" in r.headers.get("content-type", "") else [r.text]:
+            if part.strip() and part.strip() != "[DONE]":  # strict JSON: NaN / Infinity are not JSON
+                json.loads(part, parse_constant=lambda c: pytest.fail(f"{path} answered non-JSON {c}: {raw[:200]!r}"))
         if r.status_code >= 400 and "text/event-stream" not in r.headers.get("content-type", ""):
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1

@@ -80,6 +80,9 @@ class ServerArgs:
     port: int = _f(30000, "HTTP port.", "http")
     api_key: str | None = _f(None, "Require 'Authorization: Bearer KEY' on every route but /health.", "http")
     enable_metrics: bool = _f(False, "Serve Prometheus metrics at /metrics.", "http")
+    graceful_shutdown_timeout: float = _f(20.0, "On SIGTERM / Ctrl-C: stop accepting requests, let those in flight "
+                                          "finish for up to this many seconds, then abort the rest and exit.",
+                                          "http")
 
     # -- logging ------------------------------------------------------------------------------
     log_level: str = _f("info", "Log level.", "logging", LOG_LEVELS)
@@ -112,11 +115,13 @@ class ServerArgs:
             md = f.metadata
             g = groups.setdefault(md["group"], parser.add_argument_group(md["group"]))
             flag = "--" + f.name.replace("_", "-")
+            # argparse %-formats help text (for %(default)s); a literal % must not be read as a code.
+            help_text = md["help"].replace("%", "%%")
             if f.type in ("bool", bool):
-                g.add_argument(flag, action="store_true", default=f.default, help=md["help"])
+                g.add_argument(flag, action="store_true", default=f.default, help=help_text)
                 continue
             kind = _cli_type(f.type)
-            g.add_argument(flag, type=kind, default=f.default, choices=md.get("choices"), help=md["help"],
+            g.add_argument(flag, type=kind, default=f.default, choices=md.get("choices"), help=help_text,
                            required=md.get("required", False), dest=f.name)
 
     @classmethod
@@ -234,6 +239,9 @@ def _check_http(args: ServerArgs) -> None:
         raise ServerArgsError("port", f"must be in 1..65535, got {args.port}")
     if args.api_key is not None and not args.api_key.strip():
         raise ServerArgsError("api_key", "must not be empty")
+    t = args.graceful_shutdown_timeout
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+        raise ServerArgsError("graceful_shutdown_timeout", f"must be a finite number of seconds >= 0, got {t!r}")
 
 
 def _check_logging(args: ServerArgs) -> None:
@@ -259,6 +267,7 @@ _VALIDATORS = [_check_model, _check_runtime, _check_memory, _check_scheduling, _
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:
-    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server")
+    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ServerArgs.add_cli_args(parser)
     return ServerArgs.from_cli_args(parser.parse_args(argv))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 import torch
@@ -43,8 +44,44 @@ def rope_parameters_of(hf_config) -> dict[str, Any]:
     return params
 
 
+# Structural sizes that must stay >= 1 whatever the override (0 or less cannot build a model).
+POSITIVE_CONFIG_KEYS = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank",
+    "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "head_dim", "qk_head_dim", "n_group",
+    "topk_group", "max_position_embeddings", "index_topk", "index_head_dim", "index_n_heads"})
+
+
+class ConfigOverrideError(ValueError):
+    """A --json-model-override-args value the config cannot take."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key, self.reason = key, reason
+        super().__init__(f"{key}: {reason}")
+
+
+def check_override(key: str, value: Any, current: Any) -> None:
+    """An override must keep the type of the value it replaces (ints may become floats), be
+    finite, keep non-negative integers non-negative and structural sizes positive. Keys the
+    config does not have (e.g. IndexCache settings) are only checked for finiteness."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigOverrideError(key, f"must be finite, got {value!r}")
+    if current is not None:
+        kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (list,), dict: (dict,)}
+        want = next((k for t, k in kinds.items() if type(current) is t), None)
+        if want is not None and (not isinstance(value, want) or (isinstance(value, bool) and bool not in want)):
+            raise ConfigOverrideError(key, f"must be {want[-1].__name__} like the config's {current!r}, "
+                                      f"got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool):
+        if key in POSITIVE_CONFIG_KEYS and value < 1:
+            raise ConfigOverrideError(key, f"must be a positive integer, got {value}")
+        if isinstance(current, int) and not isinstance(current, bool) and current >= 0 and value < 0:
+            raise ConfigOverrideError(key, f"must be >= 0, got {value}")
+
+
 def apply_overrides(hf_config, overrides: dict[str, Any]) -> None:
     for key, value in overrides.items():
+        check_override(key, value, getattr(hf_config, key, None))
         setattr(hf_config, key, value)
 
 
@@ -145,6 +182,8 @@ def model_config_from_server_args(sa) -> "ModelConfig":
                          sa.nsa_index_topk_pattern)
     except IndexScheduleError as e:
         raise ServerArgsError(_SCHEDULE_FLAGS.get(e.key, "json_model_override_args"), e.reason) from None
+    except ConfigOverrideError as e:
+        raise ServerArgsError("json_model_override_args", str(e)) from None
     except (ValueError, FileNotFoundError) as e:
         flag = "context_length" if "--context-length" in str(e) else "model_path"
         raise ServerArgsError(flag, str(e).replace("--context-length ", "")) from None

@@ -1,26 +1,33 @@
 """FastAPI app: OpenAI-compatible routes plus SGLang's native ones.
 
 Every error is OpenAI-shaped JSON ({"error": {message, type, param, code}}) with a 4xx status
-for bad requests; unexpected exceptions become a 500 and the server keeps serving.
+for bad requests; unexpected exceptions become a 500 and the server keeps serving. Every route
+reads its body through request_io (one parsing path) and writes JSON through it (no NaN).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, now_s
 from sglang.srt.entrypoints.openai.serving_chat import ChatHandler
 from sglang.srt.entrypoints.openai.serving_completions import CompletionHandler
-from sglang.srt.entrypoints.openai.utils import SSE_DONE, error_response, request_error_response, sse
+from sglang.srt.entrypoints.openai.serving_base import CLIENT_CLOSED_REQUEST
+from sglang.srt.entrypoints.openai.utils import SSE_DONE, abort_error, error_response, request_error_response, sse
+from sglang.srt.entrypoints.request_io import (
+    ClientDisconnected,
+    SafeJSONResponse,
+    read_json,
+    read_model,
+    unless_disconnected,
+)
 from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
 from sglang.srt.server_args import ServerArgs
 
@@ -34,7 +41,7 @@ _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logp
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, version: str = "") -> FastAPI:
-    app = FastAPI(title="sglang (DSA)", version=version)
+    app = FastAPI(title="sglang (DSA)", version=version, default_response_class=SafeJSONResponse)
     served = server_args.served_model_name
     completions, chat = CompletionHandler(tm, served), ChatHandler(tm, served)
 
@@ -48,15 +55,6 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     async def _crash(request: Request, exc: Exception):  # keep serving; report as JSON
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(f"internal server error: {type(exc).__name__}: {exc}", 500, "server_error")
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errs):
-            return error_response("request body is not valid JSON", 400)
-        first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", []) if x != "body")
-        return error_response(f"invalid request: {loc}: {first.get('msg', 'invalid value')}", 422, param=loc or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -73,35 +71,31 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
                                             "root": server_args.model_path, "max_model_len": tm.context_len}]}
 
     @app.post("/v1/completions")
-    async def v1_completions(req: CompletionRequest, raw: Request):
-        return await completions.handle(req, raw)
+    async def v1_completions(raw: Request):
+        return await completions.handle(await read_model(raw, CompletionRequest), raw)
 
     @app.post("/v1/chat/completions")
-    async def v1_chat(req: ChatCompletionRequest, raw: Request):
-        return await chat.handle(req, raw)
+    async def v1_chat(raw: Request):
+        return await chat.handle(await read_model(raw, ChatCompletionRequest), raw)
 
     # -- native ----------------------------------------------------------------------------------------
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(raw: Request):
-        try:
-            body = json.loads(await raw.body() or b"{}")
-        except json.JSONDecodeError:
-            return error_response("request body is not valid JSON", 400)
-        try:
-            reqs, single = _native_requests(body)
-            prepared = [tm.prepare(r) for r in reqs]
-        except RequestError as e:
-            return request_error_response(e)
+        body = await read_json(raw)
+        reqs, single = await asyncio.to_thread(_native_requests, body)  # O(len(input_ids)) checks
+        prepared = await asyncio.gather(*map(tm.prepare, reqs))
         if body.get("stream"):
             if not single:
                 return error_response("stream=true takes a single prompt", 400, param="stream")
+            tm.check_can_start(prepared[0][0])
             return StreamingResponse(_native_stream(tm, reqs[0], prepared[0]), media_type="text/event-stream")
-        results = await asyncio.gather(*[tm.generate_full(r, p, raw.is_disconnected) for r, p in zip(reqs, prepared)])
-        for r in results:
-            fr = r["meta_info"].get("finish_reason") or {}
-            if fr.get("type") == "abort" and fr.get("status_code", 400) >= 400 and len(results) == 1:
-                return error_response(fr.get("message", "aborted"), fr.get("status_code", 400))
-        return results[0] if single else results
+        try:
+            results = await unless_disconnected(raw, asyncio.gather(*[tm.generate_full(r, p)
+                                                                      for r, p in zip(reqs, prepared)]))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        aborted = abort_error(results) if len(results) == 1 else None  # a batch reports aborts per item
+        return aborted or (results[0] if single else results)
 
     @app.get("/health")
     async def health():
@@ -222,7 +216,10 @@ def _native_requests(body: dict) -> tuple[list[GenerateRequest], bool]:
     if len(sps) != len(prompts) or not all(isinstance(x, dict) for x in sps):
         raise RequestError(f"sampling_params must be an object or a list of {len(prompts)} objects",
                            param="sampling_params")
-    rid = _typed(body, "rid", (str, list), None, lambda r: isinstance(r, str) or (_is_str_list(r) and len(r) == len(prompts)))
+    rid = _typed(body, "rid", (str, list), None, lambda r: isinstance(r, str) or (
+        _is_str_list(r) and len(r) == len(prompts) and len(set(r)) == len(r)))
+    if isinstance(rid, str) and not single:
+        raise RequestError("rid must be a list of distinct ids, one per prompt, for a batch", param="rid")
     rids = rid if isinstance(rid, list) else [rid] * len(prompts)
     return_logprob = _typed(body, "return_logprob", (bool,), False)
     start = _typed(body, "logprob_start_len", (int,), -1, lambda v: v >= -1)

@@ -1,7 +1,9 @@
 """Start the server: scheduler process per TP rank + detokenizer process + HTTP in this process.
 
 Children die with the server (PR_SET_PDEATHSIG); if any child dies, the server logs which one
-and exits non-zero instead of hanging; Ctrl-C / SIGTERM stop everything.
+and exits non-zero instead of hanging. Ctrl-C / SIGTERM stop accepting requests, let those in
+flight finish for --graceful-shutdown-timeout seconds, abort the rest (each client gets an abort
+finish, not a cut connection) and exit; a second Ctrl-C exits at once.
 """
 
 from __future__ import annotations
@@ -88,6 +90,35 @@ def _watchdog(procs: list) -> None:
         time.sleep(0.5)
 
 
+def _draining_server(config, tm, grace_s: float):
+    import asyncio
+
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn already waits for open requests on a signal; this bounds the wait: after
+        `grace_s` the requests still running are aborted so their connections close."""
+
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:
+                loop = asyncio.get_running_loop()  # the signal arrives on the loop's (main) thread
+                loop.call_soon_threadsafe(self._drain)
+
+        def _drain(self) -> None:
+            tm.shutting_down = True
+            logger.info("shutting down: draining %d request(s) for up to %.0fs", len(tm.states), grace_s)
+            asyncio.get_running_loop().call_later(grace_s, self._abort_rest)
+
+        def _abort_rest(self) -> None:
+            n = tm.abort_all("the server is shutting down", 503)
+            if n:
+                logger.warning("aborted %d request(s) still running after the %.0fs grace period", n, grace_s)
+
+    return DrainingServer(config)
+
+
 def launch_server(server_args: ServerArgs) -> int:
     import uvicorn
 
@@ -113,9 +144,11 @@ def launch_server(server_args: ServerArgs) -> int:
         app = create_app(tm, sa, metrics, __version__)
         threading.Thread(target=_watchdog, args=(procs,), daemon=True).start()
         logger.info("serving on http://%s:%d", sa.host, sa.port)
+        # uvicorn's own bound cuts connections that outlive our abort (e.g. a client not reading).
         config = uvicorn.Config(app, host=sa.host, port=sa.port, log_level=sa.log_level if sa.log_level != "debug"
-                                else "debug", timeout_keep_alive=5, access_log=sa.log_requests)
-        server = uvicorn.Server(config)
+                                else "debug", timeout_keep_alive=5, access_log=sa.log_requests,
+                                timeout_graceful_shutdown=int(sa.graceful_shutdown_timeout) + 5)
+        server = _draining_server(config, tm, sa.graceful_shutdown_timeout)
         server.run()
         return 0 if server.started else 1
     finally:

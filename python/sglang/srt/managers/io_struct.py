@@ -11,7 +11,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 @dataclass
 class TokenizedGenerateReqInput:
-    rid: str
+    rid: str  # the tokenizer manager's internal id, unique per request (not the client's reusable rid)
     input_ids: list[int]
     sampling_params: SamplingParams
     return_logprob: bool = False
@@ -23,7 +23,7 @@ class TokenizedGenerateReqInput:
 
 @dataclass
 class AbortReq:
-    rid: str
+    rid: str  # internal id, as in TokenizedGenerateReqInput
 
 
 @dataclass

@@ -21,7 +21,7 @@ from sglang.srt.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
-from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting_queue
 from sglang.srt.mem_cache.base_prefix_cache import ChunkCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -297,6 +297,12 @@ class Scheduler:
                 self.chunked_req = req
                 continue
             req.is_chunked = False
+            if req.sampling_params.max_new_tokens == 0:
+                # Prefill only (e.g. echo + prompt logprobs): the sampled token is not an output.
+                req.finished_reason = FINISH_LENGTH(0)
+                self.tree_cache.cache_finished_req(req)
+                outputs.append(self._make_output(req, []))
+                continue
             req.output_ids.append(next_ids[i])
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -354,7 +360,7 @@ class Scheduler:
         if req.return_logprob:
             out.output_token_logprobs, req.pending_logprobs = req.pending_logprobs, []
             out.output_top_logprobs, req.pending_top_logprobs = req.pending_top_logprobs, []
-            if not req.input_logprobs_sent and req.input_token_logprobs is not None and new_ids:
+            if not req.input_logprobs_sent and req.input_token_logprobs is not None and (new_ids or req.finished()):
                 out.input_token_logprobs = req.input_token_logprobs
                 out.input_top_logprobs = req.input_top_logprobs
                 req.input_logprobs_sent = True

@@ -3,6 +3,10 @@ the detokenizer's deltas into per-request async streams.
 
 Rules: every request that reaches the scheduler ends with exactly one finished output (normal,
 error or abort), so its state is always dropped; a client that goes away aborts its request.
+Requests are keyed by an internal id (never the client's `rid`), so an abort or a late output
+of one request can never reach another that reuses its `rid`; a `rid` still in flight is refused.
+Tokenization runs in a thread pool, never on the HTTP event loop, and a prompt whose byte length
+already proves it too long is refused before it is tokenized.
 """
 
 from __future__ import annotations
@@ -10,8 +14,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import time
 import uuid
-from typing import Any, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -26,12 +33,13 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from sglang.srt.managers.request_state import RequestState
-from sglang.srt.managers.tokenizer_utils import load_tokenizer
+from sglang.srt.managers.tokenizer_utils import load_tokenizer, max_input_bytes_per_token
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.ipc import PortArgs, get_zmq_socket
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RequestError(ValueError):
@@ -62,7 +70,13 @@ class _LiveState(RequestState):
         super().__init__(rid, input_ids, logprob_start_len)
         self.event = asyncio.Event()
         self.deltas: list[str] = []
-        self.error: dict | None = None
+
+    def finish_here(self, reason: dict) -> None:
+        """End the request without waiting for the scheduler (server shutdown)."""
+        self.meta["finish_reason"] = reason
+        self.meta["e2e_latency"] = time.monotonic() - self.created
+        self.finished = True
+        self.event.set()
 
 
 class TokenizerManager:
@@ -76,10 +90,15 @@ class TokenizerManager:
         ctx = zmq.asyncio.Context(2)
         self.recv_from_workers = get_zmq_socket(ctx, zmq.PULL, port_args.tokenizer_ipc_name, True)
         self.send_to_scheduler = get_zmq_socket(ctx, zmq.PUSH, port_args.scheduler_input_ipc_name, False)
-        self.states: dict[str, _LiveState] = {}
+        self.states: dict[str, _LiveState] = {}  # internal id -> state
+        self.rid_in_flight: dict[str, str] = {}  # client rid -> internal id
         self.control_waiters: dict[type, list[asyncio.Future]] = {}
         self.metrics = metrics
         self._loop_task: asyncio.Task | None = None
+        self.bytes_per_token_bound = max_input_bytes_per_token(self.tokenizer)
+        self._pool = ThreadPoolExecutor(max_workers=min(8, max(2, os.cpu_count() or 1)),
+                                        thread_name_prefix="tokenize")
+        self.shutting_down = False
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -118,6 +137,10 @@ class TokenizerManager:
         await self.send_to_scheduler.send_pyobj(req)
         return await asyncio.wait_for(fut, timeout)
 
+    async def run_in_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        """CPU work of a request (tokenizing, chat templates) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control(FlushCacheReq(), FlushCacheReqOutput)
 
@@ -125,15 +148,17 @@ class TokenizerManager:
         return await self._control(GetLoadReq(), SchedulerStats)
 
     # -- requests -------------------------------------------------------------------------------------
-    def tokenize(self, req: GenerateRequest) -> list[int]:
-        if req.input_ids is not None:
-            ids = list(req.input_ids)
-            if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in ids):
-                raise RequestError(f"input_ids must be token ids in [0, {self.vocab_size})", param="input_ids")
-            return ids
-        if req.text is None:
-            raise RequestError("either text (prompt) or input_ids is required", param="prompt")
-        return self.tokenizer.encode(req.text, add_special_tokens=False)
+    def _checked_ids(self, input_ids: list) -> list[int]:
+        ids = list(input_ids)
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in ids):
+            raise RequestError(f"input_ids must be token ids in [0, {self.vocab_size})", param="input_ids")
+        return ids
+
+    def min_prompt_tokens(self, text: str) -> int:
+        """A lower bound on len(tokenize(text)) from its UTF-8 length alone (0 if none is known)."""
+        if self.bytes_per_token_bound is None:
+            return 0
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.bytes_per_token_bound)
 
     def build_sampling_params(self, params: dict | None) -> SamplingParams:
         try:
@@ -144,51 +169,65 @@ class TokenizerManager:
             raise RequestError(str(e), param=_param_of(str(e))) from None
         return sp
 
-    def check_length(self, n_input: int, max_new_tokens: int | None) -> None:
-        if n_input == 0:
+    def check_length(self, n_input: int, max_new_tokens: int | None, at_least: bool = False) -> None:
+        """The context and KV-cache limits; `at_least`: n_input is only a lower bound (pre-check)."""
+        if n_input == 0 and not at_least:
             raise RequestError("the prompt is empty", param="prompt")
         total = n_input + (max_new_tokens or 0)
+        many = "at least " if at_least else ""
         if total > self.context_len:
             raise RequestError(
                 f"This model's maximum context length is {self.context_len} tokens. However, you requested "
-                f"{total} tokens ({n_input} in the prompt, {max_new_tokens or 0} for the completion).",
+                f"{many}{total} tokens ({many}{n_input} in the prompt, {max_new_tokens or 0} for the completion).",
                 param="prompt" if n_input >= self.context_len else "max_tokens", code="context_length_exceeded")
         if n_input + 1 > self.max_total_num_tokens - self.scheduler_info["page_size"]:
-            raise RequestError(f"the prompt ({n_input} tokens) cannot fit in the KV cache "
+            raise RequestError(f"the prompt ({many}{n_input} tokens) cannot fit in the KV cache "
                                f"({self.max_total_num_tokens} tokens)", param="prompt",
                                code="context_length_exceeded")
 
-    def prepare(self, req: GenerateRequest) -> tuple[str, list[int], SamplingParams]:
-        """Validate and tokenize; raises RequestError before anything is sent."""
+    def prepare_sync(self, req: GenerateRequest) -> tuple[str, list[int], SamplingParams]:
+        """Validate and tokenize (blocking: call through `prepare`); raises RequestError."""
         sp = self.build_sampling_params(req.sampling_params)
-        ids = self.tokenize(req)
-        self.check_length(len(ids), sp.max_new_tokens)
+        if req.input_ids is not None:
+            self.check_length(len(req.input_ids), sp.max_new_tokens)
+            ids = self._checked_ids(req.input_ids)
+        elif req.text is not None:
+            self.check_length(self.min_prompt_tokens(req.text), sp.max_new_tokens, at_least=True)
+            ids = self.tokenizer.encode(req.text, add_special_tokens=False)
+            self.check_length(len(ids), sp.max_new_tokens)
+        else:
+            raise RequestError("either text (prompt) or input_ids is required", param="prompt")
         return req.rid or uuid.uuid4().hex, ids, sp
 
-    async def generate(self, req: GenerateRequest, prepared=None, is_disconnected=None) -> AsyncIterator[dict]:
+    async def prepare(self, req: GenerateRequest) -> tuple[str, list[int], SamplingParams]:
+        """Validate and tokenize in the pool; raises RequestError before anything is sent."""
+        return await self.run_in_pool(self.prepare_sync, req)
+
+    def check_can_start(self, rid: str) -> None:
+        if self.shutting_down:
+            raise RequestError("the server is shutting down", 503, err_type="server_error")
+        if rid in self.rid_in_flight:
+            raise RequestError(f"request id (rid) {rid!r} is still in flight; use another rid or wait for it "
+                               "to finish", param="rid")
+
+    async def generate(self, req: GenerateRequest, prepared=None) -> AsyncIterator[dict]:
         """Yields {"text_delta", "result"} updates; the last one has meta_info.finish_reason set.
-        `is_disconnected`: async callable; when it turns true the request is aborted."""
-        rid, ids, sp = prepared or self.prepare(req)
-        if rid in self.states:
-            raise RequestError(f"duplicate request id {rid!r}", param="rid")
+        Cancelling the consumer (a client that went away) aborts the request."""
+        rid, ids, sp = prepared or await self.prepare(req)
+        self.check_can_start(rid)
+        iid = uuid.uuid4().hex
         state = _LiveState(rid, ids, req.logprob_start_len if req.return_logprob else -1)
-        self.states[rid] = state
+        self.states[iid], self.rid_in_flight[rid] = state, iid
         if self.metrics is not None:
             self.metrics.observe_request(len(ids))
         if self.server_args.log_requests:
             logger.info("request %s: %d prompt tokens, sampling %s, logprob=%s stream=%s", rid, len(ids),
                         sp.to_dict(), req.return_logprob, req.stream)
         await self.send_to_scheduler.send_pyobj(TokenizedGenerateReqInput(
-            rid, ids, sp, req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.stream, req.text))
+            iid, ids, sp, req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.stream, req.text))
         try:
             while True:
-                try:
-                    await asyncio.wait_for(state.event.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if is_disconnected is not None and await is_disconnected():
-                        self.abort(rid)
-                        return
-                    continue
+                await state.event.wait()
                 state.event.clear()
                 delta, state.deltas = "".join(state.deltas), []
                 yield {"text_delta": delta, "result": state.result()}
@@ -196,32 +235,41 @@ class TokenizerManager:
                     return
         except (asyncio.CancelledError, GeneratorExit):
             if not state.finished:
-                self.abort(rid)
+                self.abort(iid)
             raise
         finally:
             if state.finished:
-                self.states.pop(rid, None)
+                self._forget(iid)
                 if self.server_args.log_requests:
                     m = state.meta
                     logger.info("finished %s: %s, %d completion tokens, %d cached, %.3fs", rid, m["finish_reason"],
                                 m["completion_tokens"], m["cached_tokens"], m.get("e2e_latency", 0.0))
 
-    def abort(self, rid: str) -> None:
-        """Ask the scheduler to drop `rid`; its final (abort) output will clean up the state."""
-        state = self.states.get(rid)
-        if state is None or state.finished:
-            return
-        asyncio.ensure_future(self.send_to_scheduler.send_pyobj(AbortReq(rid)))
-        # The scheduler answers with an abort output; if the request already finished in flight,
-        # nothing comes back, so forget the state here (late outputs for unknown rids are ignored).
-        self.states.pop(rid, None)
+    def _forget(self, iid: str) -> None:
+        state = self.states.pop(iid, None)
+        if state is not None and self.rid_in_flight.get(state.rid) == iid:
+            del self.rid_in_flight[state.rid]
 
-    async def generate_full(self, req: GenerateRequest, prepared=None, is_disconnected=None) -> dict:
+    def abort(self, iid: str) -> None:
+        """Ask the scheduler to drop request `iid` (an internal id) and forget it here: its abort
+        output, or a late normal one, finds no state and is ignored."""
+        if iid not in self.states:
+            return
+        self._forget(iid)
+        asyncio.ensure_future(self.send_to_scheduler.send_pyobj(AbortReq(iid)))
+
+    def abort_all(self, message: str, status_code: int = 503) -> int:
+        """End every request in flight now (each client gets an abort finish), e.g. at shutdown."""
+        n = len(self.states)
+        for iid, state in list(self.states.items()):
+            self.abort(iid)
+            state.finish_here({"type": "abort", "message": message, "status_code": status_code})
+        return n
+
+    async def generate_full(self, req: GenerateRequest, prepared=None) -> dict:
         result = None
-        async for update in self.generate(req, prepared, is_disconnected):
+        async for update in self.generate(req, prepared):
             result = update["result"]
-        if result is None:
-            raise asyncio.CancelledError("client disconnected")
         return result
 
 

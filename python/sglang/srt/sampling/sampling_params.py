@@ -185,8 +185,8 @@ class SamplingParams:
                 if tid is None:
                     _bad("logit_bias", k, "keys must be integer token ids")
                 _check_token_id("logit_bias", tid, vocab_size)
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-                    _bad("logit_bias", v, f"value for token {k} must be a number")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                    _bad("logit_bias", v, f"value for token {k} must be a number in [-100, 100] (as OpenAI)")
 
 
 # -- helpers -------------------------------------------------------------------------------------

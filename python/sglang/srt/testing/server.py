@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import requests
 
@@ -45,14 +48,28 @@ class ServerProcess:
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
         """Until no request runs or waits; returns the scheduler stats."""
+        return self.wait_state(lambda st: st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0,
+                               "idle", timeout)
+
+    def wait_state(self, pred: Callable[[dict], bool], what: str, timeout: float = 60.0) -> dict:
+        """Until pred(scheduler stats) holds; returns the stats (TimeoutError naming `what`)."""
         deadline = time.monotonic() + timeout
         while True:
             st = self.internal_state()
-            if st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0:
+            if pred(st):
                 return st
             if time.monotonic() > deadline:
-                raise TimeoutError(f"server still busy: {st}")
-            time.sleep(0.1)
+                raise TimeoutError(f"server not {what} after {timeout}s: {st}")
+            time.sleep(0.05)
+
+    def open_request(self, path: str, body: dict) -> socket.socket:
+        """Send a POST and return the open socket without reading the answer: closing it is a
+        client that went away (timed out, crashed) at a moment the test chooses."""
+        data = json.dumps(body).encode()
+        sock = socket.create_connection(("127.0.0.1", self.port))
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        return sock
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -1,10 +1,12 @@
 """benchmark/indexcache/bench_indexcache.py end to end on CPU at a tiny size: it runs, writes JSON
-and a plot, uses the one IndexCache rule for its schedules, and its memory figures follow the pool's
-formula (freq 4 drops the index-K bytes of every shared layer). Timings are not asserted."""
+and a plot, uses the one IndexCache rule for its schedules, reports medians of interleaved repeats,
+and its memory figures follow the pool's formula (freq 4 drops the index-K bytes of every shared
+layer). Timings are not asserted."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,7 @@ _BENCH = Path(__file__).resolve().parents[4] / "benchmark" / "indexcache" / "ben
 
 def test_bench_indexcache_cpu_smoke(tmp_path):
     cmd = [sys.executable, str(_BENCH), "--cpu-small", "--layers", "4", "--freqs", "1,4", "--contexts", "640",
-           "--decode-batch", "1", "--decode-steps", "3", "--repeats", "1", "--out-dir", str(tmp_path)]
+           "--decode-batch", "1", "--decode-steps", "3", "--repeats", "2", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stem = tmp_path / "indexcache_deepseek-v32_cpu_small"
@@ -31,6 +33,9 @@ def test_bench_indexcache_cpu_smoke(tmp_path):
         (row,) = run["rows"]
         assert row["context"] == 640 and row["prefill_s"] > 0 and row["decode_step_s"] > 0
         assert 0 < row["prefill_indexer_share"] < 1 and 0 < row["decode_indexer_share"] < 1
+        # interleaved repeats, median (what benchmark/RESULTS.md states)
+        assert len(row["samples"]) == 2 and row["prefill_s"] == statistics.median(x["prefill_s"] for x in row["samples"])
+    assert result["repeats"] == 2 and "interleaved" in result["method"]
     assert shared["schedule"] == "FFSS"
     per_layer = base["index_bytes_per_token"]
     assert base["kv_bytes_per_token"] - shared["kv_bytes_per_token"] == 2 * per_layer  # two shared layers

@@ -352,6 +352,9 @@ BAD_PARAMS = [
     ("sampling_seed", "abc"), ("sampling_seed", 1.5),
     ("logit_bias", {str(V): 1.0}), ("logit_bias", {"-1": 1.0}), ("logit_bias", {"x": 1.0}),
     ("logit_bias", {"3": "big"}), ("logit_bias", [1, 2]),
+    # OpenAI's range; beyond float32 the logits (and the logprobs in the response) become inf / NaN
+    ("logit_bias", {"3": 100.5}), ("logit_bias", {"3": -101}), ("logit_bias", {"3": 1e39}),
+    ("logit_bias", {"3": float("inf")}), ("logit_bias", {"3": float("nan")}),
     ("stop", 5), ("stop", ["ok", 3]),
     ("stop_token_ids", [1, V]), ("stop_token_ids", ["1"]),
     ("ignore_eos", "yes"), ("skip_special_tokens", 1),

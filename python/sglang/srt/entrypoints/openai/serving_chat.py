@@ -33,7 +33,7 @@ def _messages_for_template(req: ChatCompletionRequest) -> list[dict]:
 
 
 class ChatHandler(OpenAIServingBase):
-    def _build(self, req: ChatCompletionRequest) -> list[tuple[GenerateRequest, tuple, int]]:
+    async def _build(self, req: ChatCompletionRequest) -> list[tuple[GenerateRequest, tuple, int]]:
         check_model(self.served_model_name, req.model)
         if not 1 <= req.n <= MAX_N:
             raise RequestError(f"n must be in [1, {MAX_N}]", param="n")
@@ -46,18 +46,18 @@ class ChatHandler(OpenAIServingBase):
                 raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
             if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
-        try:
-            prompt = self.tm.tokenizer.apply_chat_template(_messages_for_template(req), tokenize=False,
-                                                           add_generation_prompt=True)
-        except RequestError:
-            raise
-        except Exception as e:
-            raise RequestError(f"cannot apply the chat template: {e}", param="messages") from None
+        prompt = await self.tm.run_in_pool(self._render_template, _messages_for_template(req))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         base = GenerateRequest(text=prompt, sampling_params=req.sampling_params(max_tokens),
                                return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, stream=req.stream)
-        rid, ids, sp = self.tm.prepare(base)
+        rid, ids, sp = await self.tm.prepare(base)
         return [(base, (f"{rid}-{j}" if req.n > 1 else (req.rid or rid), ids, sp), 0) for j in range(req.n)]
+
+    def _render_template(self, messages: list[dict]) -> str:
+        try:
+            return self.tm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:
+            raise RequestError(f"cannot apply the chat template: {e}", param="messages") from None
 
     def _logprobs(self, meta: dict, start: int) -> dict:
         tok = self.tm.tokenizer

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from sglang.srt.entrypoints.openai.protocol import CompletionRequest, finish_reason_of, make_id, now_s, usage_of
 from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
 from sglang.srt.entrypoints.openai.protocol import MAX_N
@@ -27,7 +29,7 @@ def _prompts(prompt) -> list[dict]:
 
 
 class CompletionHandler(OpenAIServingBase):
-    def _build(self, req: CompletionRequest) -> list[tuple[GenerateRequest, tuple, int]]:
+    async def _build(self, req: CompletionRequest) -> list[tuple[GenerateRequest, tuple, int]]:
         check_model(self.served_model_name, req.model)
         if not 1 <= req.n <= MAX_N:
             raise RequestError(f"n must be in [1, {MAX_N}]", param="n")
@@ -38,13 +40,12 @@ class CompletionHandler(OpenAIServingBase):
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
         want_lp = req.logprobs is not None
+        bases = [GenerateRequest(
+            text=p.get("text"), input_ids=p.get("input_ids"), sampling_params=req.sampling_params(req.max_tokens),
+            return_logprob=want_lp, logprob_start_len=0 if (want_lp and req.echo) else -1,
+            top_logprobs_num=req.logprobs or 0, stream=req.stream) for p in _prompts(req.prompt)]
         out = []
-        for pi, p in enumerate(_prompts(req.prompt)):
-            base = GenerateRequest(
-                text=p.get("text"), input_ids=p.get("input_ids"), sampling_params=req.sampling_params(req.max_tokens),
-                return_logprob=want_lp, logprob_start_len=0 if (want_lp and req.echo) else -1,
-                top_logprobs_num=req.logprobs or 0, stream=req.stream)
-            prepared = self.tm.prepare(base)
+        for pi, (base, prepared) in enumerate(zip(bases, await asyncio.gather(*map(self.tm.prepare, bases)))):
             for j in range(req.n):
                 rid = f"{prepared[0]}-{j}" if req.n > 1 else (req.rid or prepared[0])
                 out.append((base, (rid, prepared[1], prepared[2]), pi))

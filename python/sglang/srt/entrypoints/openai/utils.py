@@ -3,36 +3,36 @@
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 from typing import Any, AsyncIterator
 
-from fastapi.responses import JSONResponse
-
+from sglang.srt.entrypoints.request_io import SafeJSONResponse, dumps
 from sglang.srt.managers.tokenizer_manager import RequestError
+from sglang.srt.managers.tokenizer_utils import byte_level_decoder
 
 
 def error_response(message: str, status_code: int = 400, err_type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
+                   param: str | None = None, code: str | None = None) -> SafeJSONResponse:
     body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status_code)
+    return SafeJSONResponse(body, status_code=status_code)
 
 
-def request_error_response(e: RequestError) -> JSONResponse:
+def request_error_response(e: RequestError) -> SafeJSONResponse:
     return error_response(e.message, e.status_code, e.err_type, e.param, e.code)
 
 
-def abort_error(results: list[dict]) -> JSONResponse | None:
+def abort_error(results: list[dict]) -> SafeJSONResponse | None:
     """A request the scheduler refused or aborted becomes an error response, not a choice."""
     for r in results:
         fr = r["meta_info"].get("finish_reason") or {}
         if fr.get("type") == "abort":
-            return error_response(fr.get("message", "request aborted"), fr.get("status_code", 400))
+            status = fr.get("status_code", 400)
+            return error_response(fr.get("message", "request aborted"), status,
+                                  "server_error" if status >= 500 else "invalid_request_error")
     return None
 
 
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -84,23 +84,10 @@ def token_text(tokenizer, token_id: int) -> str:
     return text
 
 
-@functools.lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of the GPT-2 byte-level alphabet (printable stand-ins for the 256 byte values)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
 def token_bytes(tokenizer, token_id: int) -> list[int]:
     """The token's raw bytes (byte-level BPE tokens can be partial UTF-8 sequences)."""
     tok = tokenizer.convert_ids_to_tokens(token_id)
-    dec = _byte_decoder()
+    dec = byte_level_decoder()
     if isinstance(tok, str) and tok and all(ch in dec for ch in tok):
         return [dec[ch] for ch in tok]
     return list(token_text(tokenizer, token_id).encode("utf-8"))

@@ -1,7 +1,7 @@
 """Triton fused MoE (sgl_kernel.moe) against its torch twin, on CPU under TRITON_INTERPRET=1 (or on
 the GPU with SGLANG_TEST_DEVICE=cuda).
 
-- `moe_align_block_size`: every local assignment placed exactly once, in ascending flat order inside
+- `moe_align_block_size` (Triton, and bitwise equal to its torch twin): every local assignment placed exactly once, in ascending flat order inside
   contiguous block-aligned expert groups, padding = sentinel, consistent expert_ids, and output sizes
   that depend only on (T*k, E, block_m).
 - `fused_experts` vs `fused_experts_ref`: odd sizes (H=48, I=40: tails in N and K), T in {0, 1, 3, 17},
@@ -70,11 +70,15 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("t,k,e,block_m,mode,offset", [
     (1, 1, 1, 16, "random", 0), (3, 2, 4, 16, "random", 0), (17, 3, 9, 16, "random", 0),
     (17, 3, 9, 4, "random", 5), (40, 2, 4, 16, "one_expert", 0), (17, 3, 4, 16, "ep", 4),
-    (64, 1, 4, 8, "random", 0), (5, 2, 4, 16, "ep", 0),
+    (64, 1, 4, 8, "random", 0), (5, 2, 4, 16, "ep", 0), (300, 8, 256, 64, "random", 0),  # several chunks
+    (0, 2, 4, 16, "random", 0),
 ])
 def test_align_properties(t, k, e, block_m, mode, offset):
     ids, _ = _routing(t, k, e, mode, offset)
     sorted_ids, expert_ids, npp = moe.moe_align_block_size(ids, e, block_m, offset)
+    for twin in (moe.moe_align_block_size_ref(ids, e, block_m, offset),  # Triton == torch twin, bitwise
+                 moe.moe_align_block_size(ids.int(), e, block_m, offset)):  # int32 ids alike
+        assert all(torch.equal(a, b) for a, b in zip((sorted_ids, expert_ids, npp), twin))
     n = t * k
     max_rows = moe.max_sorted_rows(n, e, block_m)
     assert sorted_ids.dtype == expert_ids.dtype == npp.dtype == torch.int32
@@ -86,6 +90,9 @@ def test_align_properties(t, k, e, block_m, mode, offset):
     s, ex, total = sorted_ids.cpu(), expert_ids.cpu(), int(npp.item())
     counts = torch.stack([(local == x).sum() for x in range(e)])
     assert total == int(((counts + block_m - 1) // block_m * block_m).sum()) and total % block_m == 0
+    if n == 0:
+        assert max_rows == 0 and total == 0
+        return
     assert (s[total:] == n).all() and (ex[total // block_m:] == -1).all()
 
     placed = s[:total][s[:total] != n]

@@ -68,10 +68,14 @@ def get_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
         cfg = MoEConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4)
     else:
         cfg = MoEConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3)
-    # Gate-up holds an A tile and two weight tiles per stage; fp32 doubles them, so drop stages to fit.
-    per_stage = (cfg.block_m + 2 * cfg.block_n) * _BLOCK_K * torch.empty((), dtype=dtype).element_size()
-    stages = max(2, min(cfg.num_stages, _SMEM_BUDGET // per_stage))
-    return MoEConfig(cfg.block_m, cfg.block_n, _BLOCK_K, cfg.group_m, cfg.num_warps, stages)
+    # Gate-up holds an A tile and two weight tiles per stage; fp32 doubles them: narrow N, then drop
+    # stages to fit (block_n does not change a row's arithmetic, so invariance is kept).
+    size = torch.empty((), dtype=dtype).element_size()
+    block_n = cfg.block_n
+    while block_n > 32 and 2 * (cfg.block_m + 2 * block_n) * _BLOCK_K * size > _SMEM_BUDGET:
+        block_n //= 2
+    stages = max(2, min(cfg.num_stages, _SMEM_BUDGET // ((cfg.block_m + 2 * block_n) * _BLOCK_K * size)))
+    return MoEConfig(cfg.block_m, block_n, _BLOCK_K, cfg.group_m, cfg.num_warps, stages)
 
 
 def max_sorted_rows(num_assignments: int, num_experts: int, block_m: int) -> int:
@@ -117,11 +121,11 @@ def _align_scan_kernel(cnt_ptr, sorted_ptr, expert_ids_ptr, npp_ptr, n, num_chun
     tl.store(npp_ptr, npp)
     tl.store(ptrs, starts[None, :] + tl.cumsum(cnt, 0) - cnt, mask=chunks < num_chunks)
     pad = tl.arange(0, BLOCK_M)[None, :]  # each group's padding rows, after its real rows
-    tl.store(sorted_ptr + (starts + total)[:, None] + pad, tl.full((E_P2, BLOCK_M), n, tl.int32),
+    tl.store(sorted_ptr + (starts + total)[:, None] + pad, tl.zeros((E_P2, BLOCK_M), tl.int32) + n,
              mask=total[:, None] + pad < padded[:, None])
     for r in range(0, max_rows, FILL):
         rows = r + tl.arange(0, FILL)
-        tl.store(sorted_ptr + rows, tl.full((FILL,), n, tl.int32), mask=(rows >= npp) & (rows < max_rows))
+        tl.store(sorted_ptr + rows, tl.zeros((FILL,), tl.int32) + n, mask=(rows >= npp) & (rows < max_rows))
     for b in range(0, max_rows // BLOCK_M, 64):
         blocks = b + tl.arange(0, 64)
         row = blocks * BLOCK_M

@@ -1,9 +1,9 @@
 """Triton fused MoE (sgl_kernel.moe) against its torch twin, on CPU under TRITON_INTERPRET=1 (or on
 the GPU with SGLANG_TEST_DEVICE=cuda).
 
-- `moe_align_block_size` (Triton, and bitwise equal to its torch twin): every local assignment placed exactly once, in ascending flat order inside
-  contiguous block-aligned expert groups, padding = sentinel, consistent expert_ids, and output sizes
-  that depend only on (T*k, E, block_m).
+- `moe_align_block_size` (Triton; bitwise equal to its torch twin): every local assignment placed
+  exactly once, in ascending flat order inside contiguous block-aligned expert groups, padding =
+  sentinel, consistent expert_ids, and output sizes that depend only on (T*k, E, block_m).
 - `fused_experts` vs `fused_experts_ref`: odd sizes (H=48, I=40: tails in N and K), T in {0, 1, 3, 17},
   k in {1, 2, 3}, E in {1, 4, 9}, empty experts, all tokens on one expert, expert parallelism (ids of
   other ranks and -1), fp32 (~1e-5) and bf16 (~1e-2), decode, prefill and heuristic configs. Every
@@ -14,6 +14,7 @@ the GPU with SGLANG_TEST_DEVICE=cuda).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -149,7 +150,7 @@ def test_int32_ids_and_large_tile_config():
     ids, w = _routing(17, 2, e, "random")
     x = torch.randn(17, H).to(DEVICE, dtype)
     ref = moe.fused_experts_ref(x, w13, w2, w, ids)
-    _close(moe.fused_experts(x, w13, w2, w, ids.int(), config=moe.MoEConfig(64, 64, 64)), ref, dtype)
+    _close(moe.fused_experts(x, w13, w2, w, ids.int(), config=moe.MoEConfig(64, 64, 64, num_stages=2)), ref, dtype)
 
 
 def test_empty_batch():
@@ -188,7 +189,7 @@ def test_deterministic_and_batch_invariant(dtype):
     # Decode and prefill-style configs share BLOCK_K, so the K order of every row is the same.
     heuristic = [moe.get_moe_config(n, k, 256, 7168, 2048, dtype) for n in (1, 64, 1024, 4096, 32768)]
     for cfg in {c for c in heuristic}:
-        small = moe.MoEConfig(cfg.block_m, min(cfg.block_n, 64), cfg.block_k, cfg.group_m)
+        small = dataclasses.replace(cfg, block_n=min(cfg.block_n, 64))  # fewer interpreted programs
         assert torch.equal(moe.fused_experts(x, w13, w2, w, ids, config=small), batch), cfg
 
 
@@ -200,4 +201,4 @@ def test_heuristic_configs():
         assert len({c.block_k for c in cfgs.values()}) == 1  # batch invariance across configs
         size = torch.empty((), dtype=dtype).element_size()
         for c in cfgs.values():  # pipelined gate/up tiles fit the shared memory of one SM
-            assert c.num_stages * (c.block_m + 2 * c.block_n) * c.block_k * size <= 200 * 1024
+            assert 2 <= c.num_stages and c.num_stages * (c.block_m + 2 * c.block_n) * c.block_k * size <= 160 * 1024

@@ -85,6 +85,13 @@ def max_sorted_rows(num_assignments: int, num_experts: int, block_m: int) -> int
     return triton.cdiv(rows, block_m) * block_m
 
 
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty; under _POISON_INTERMEDIATES NaN (floats) or -7 (ints, a value no step writes)."""
+    if _POISON_INTERMEDIATES:
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 @triton.jit
 def _onehot(ids_ptr, offs, n, num_experts, expert_offset, E_P2: tl.constexpr):
     """[len(offs), E_P2] int32: row i has a 1 at its local expert; non-local / out-of-range rows are 0."""
@@ -158,9 +165,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     """
     n, dev = topk_ids.numel(), topk_ids.device
     max_rows = max_sorted_rows(n, num_experts, block_m)
-    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(max_rows // block_m, dtype=torch.int32, device=dev)
-    npp = torch.empty(1, dtype=torch.int32, device=dev)
+    sorted_ids = _alloc((max_rows,), torch.int32, dev)  # every position is written by the kernels
+    expert_ids = _alloc((max_rows // block_m,), torch.int32, dev)
+    npp = _alloc((1,), torch.int32, dev)
     if n == 0:
         return sorted_ids, expert_ids.fill_(-1), npp.zero_()
     ids = topk_ids.reshape(-1)
@@ -168,7 +175,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     sub = max(1, min(32, 8192 // e_p2))  # one-hot tile [SUB, E_P2] of <= 8K elements
     chunk = max(sub, next_pow2(triton.cdiv(n, 64)))  # <= 64 chunks: the scan holds them in one tile
     num_chunks = triton.cdiv(n, chunk)
-    cnt = torch.empty((num_chunks, e_p2), dtype=torch.int32, device=dev)
+    cnt = _alloc((num_chunks, e_p2), torch.int32, dev)
     dims = dict(CHUNK=chunk, SUB=sub, E_P2=e_p2)
     _align_count_kernel[(num_chunks,)](ids, cnt, n, num_experts, expert_offset, **dims)
     _align_scan_kernel[(1,)](cnt, sorted_ids, expert_ids, npp, n, num_chunks, max_rows, BLOCK_M=block_m,
@@ -315,12 +322,6 @@ def _combine_kernel(src_ptr, ids_ptr, out_ptr, T, H, num_local, expert_offset, s
              mask=t_ok[:, None] & h_ok[None, :])
 
 
-def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if _POISON_INTERMEDIATES:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
 def _check(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
            topk_ids: torch.Tensor) -> None:
     t, h = hidden.shape
@@ -372,7 +373,7 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
                        h_inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out_k.stride(0),
                        EVEN_K=inter % cfg.block_k == 0, **launch)
 
-    out = torch.empty((num_tokens, hid), dtype=hidden.dtype, device=dev)
+    out = _alloc((num_tokens, hid), hidden.dtype, dev)
     block_h = min(next_pow2(hid), 512)
     block_t = max(1, 4096 // block_h)  # several tokens per program: fewer, fuller programs
     _combine_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(hid, block_h))](

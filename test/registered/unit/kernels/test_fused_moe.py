@@ -7,7 +7,7 @@ the GPU with SGLANG_TEST_DEVICE=cuda).
 - `fused_experts` vs `fused_experts_ref`: odd sizes (H=48, I=40: tails in N and K), T in {0, 1, 3, 17},
   k in {1, 2, 3}, E in {1, 4, 9}, empty experts, all tokens on one expert, expert parallelism (ids of
   other ranks and -1), fp32 (~1e-5) and bf16 (~1e-2), decode, prefill and heuristic configs. Every
-  intermediate is NaN-poisoned first, so an unwritten row that is read shows up.
+  buffer is poisoned first (NaN, or -7 for the align outputs), so an unwritten row shows up.
 - Determinism (bitwise on repeat) and batch invariance (a token alone == its row in a batch, and the
   same across the decode / prefill configs, which share BLOCK_K).
 """

@@ -32,7 +32,7 @@ from sgl_kernel.utils import dot_precision, next_pow2, patch_interpreter
 
 patch_interpreter()
 
-# Tests set this to fill intermediates with NaN, so a row a kernel fails to write shows up.
+# Tests set this to fill every buffer with NaN (ints: -7) first, so a row left unwritten shows up.
 _POISON_INTERMEDIATES = False
 
 
@@ -44,6 +44,12 @@ class MoEConfig:
     group_m: int = 1  # GROUP_SIZE_M swizzle: neighbouring programs share weight tiles in L2
     num_warps: int = 4
     num_stages: int = 4
+
+    def __post_init__(self) -> None:  # tl.arange / tl.dot need powers of two, tl.dot at least 16
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MoEConfig.{name} = {v}: must be a power of two >= 16")
 
 
 # One BLOCK_K for every config: the K-order of each row's dot product then does not change with T.
@@ -171,7 +177,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     if n == 0:
         return sorted_ids, expert_ids.fill_(-1), npp.zero_()
     ids = topk_ids.reshape(-1)
-    e_p2 = next_pow2(num_experts)
+    e_p2 = max(next_pow2(num_experts), 16)  # no degenerate 1-wide tiles for tiny E
     sub = max(1, min(32, 8192 // e_p2))  # one-hot tile [SUB, E_P2] of <= 8K elements
     chunk = max(sub, next_pow2(triton.cdiv(n, 64)))  # <= 64 chunks: the scan holds them in one tile
     num_chunks = triton.cdiv(n, chunk)

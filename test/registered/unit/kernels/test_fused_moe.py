@@ -171,6 +171,8 @@ def test_shape_checks():
         moe.fused_experts(x, w13, w2, w[:, :1], ids)
     with pytest.raises(ValueError, match="dtypes differ"):
         moe.fused_experts(x.bfloat16(), w13, w2, w, ids)
+    with pytest.raises(ValueError, match="power of two"):
+        moe.MoEConfig(block_m=48)
 
 
 # ---------------------------------------------------------------- determinism, batch invariance

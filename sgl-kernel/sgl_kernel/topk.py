@@ -29,11 +29,13 @@ Launch shapes (same result; `split` picks one, shapes depend only on R, W, k: gr
   each chunk's output offset (exclusive prefix sums). 2 * passes + 1 launches, no host sync.
   For decode (R = batch <= 160, W up to 160K), where one program per row idles most SMs.
 
-Cost model (H200, unmeasured): the NVIDIA lowering of tl.histogram is warp ballots, ~RADIX_BITS
+Cost model (H200, unmeasured). Triton 3.6 lowers tl.histogram to warp ballots: ~RADIX_BITS
 ballots + 2^RADIX_BITS / 32 popcounts per element, so 8-bit digits cost ~4x the ALU work of 6-bit
-ones per pass. The fused path is ALU-bound, hence 6 bits there: 3 histogram passes + 1 write pass
-for bf16-valued scores (4 reads of the row), up to 6 + 1 for arbitrary fp32. The split path is
-launch-bound, hence 8 bits there (2 passes / 5 launches for bf16 values, 4 / 9 at most).
+ones per pass (newer Triton, e.g. 3.9, emits one shared-memory atomic per element: then try 8).
+The fused path is ALU-bound, hence 6 bits there: 3 histogram passes + 1 write pass for bf16-valued
+scores (4 reads of the row, from L2 after the first), up to 6 + 1 for arbitrary fp32. The split
+path is launch-bound, hence 8 bits there (2 passes / 5 launches for bf16 values, 4 / 9 at most).
+Knobs for the H200: radix_bits, split (auto_split, SPLIT_MIN_CHUNK), block, num_warps.
 """
 
 from __future__ import annotations
@@ -295,7 +297,7 @@ def fast_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Te
         _split_hist_kernel[(rows, s)](scores, lengths, state, hist, low, stride, k, chunk, s, P=p, LO=lo, RB=rb,
                                       BLOCK=blk, num_warps=num_warps or 4)
         _split_select_kernel[(rows,)](lengths, state, hist, low, cnt, k, s, P=p, LAST=p == npass - 1, LO=lo,
-                                      RB=rb, SP2=sp2, num_warps=4)
+                                      RB=rb, SP2=sp2, num_warps=8)  # [SP2, BINS] counts in registers
     _split_write_kernel[(rows, s)](scores, lengths, state, cnt, out, stride, k, chunk, s, SP2=sp2, BLOCK=blk,
                                    KBLOCK=kblock, num_warps=num_warps or 4)
     return out

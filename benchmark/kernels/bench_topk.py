@@ -148,7 +148,7 @@ def plot(result: dict, path: str) -> None:
     panels.append(("speedup_vs_torch", "speedup vs torch.topk, eager", False))
     if rows[0]["ms_graph"]:
         panels.append(("graph_speedup_vs_torch", "speedup vs torch.topk, CUDA graph", False))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.9 * len(rows) * len(names)), 3.5 * len(panels)))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(min(28, max(8, 0.35 * len(rows) * len(names))), 3.5 * len(panels)))
     x = range(len(rows))
     for ax, (key, title, log) in zip(axes, panels):
         series = [n for n in names if n in rows[0][key]]

@@ -260,8 +260,8 @@ def fast_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Te
     if scores.stride(1) != 1:
         scores = scores.contiguous()
     rows, width = scores.shape
-    if lengths.shape != (rows,) or lengths.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"lengths must be int32/int64 of shape ({rows},)")
+    if lengths.shape != (rows,) or lengths.dtype not in (torch.int32, torch.int64) or lengths.device != scores.device:
+        raise ValueError(f"lengths must be int32/int64 of shape ({rows},) on {scores.device}")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
     if out is None:

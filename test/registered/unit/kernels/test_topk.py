@@ -186,6 +186,8 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError):
         fast_topk(s, n.float(), 4)
     with pytest.raises(ValueError):
+        fast_topk(s, n.to("meta"), 4)  # lengths must live with the scores
+    with pytest.raises(ValueError):
         fast_topk(s, n, 0)
     with pytest.raises(ValueError):
         fast_topk(s, n, 4, out=torch.empty(2, 4, dtype=torch.int64))

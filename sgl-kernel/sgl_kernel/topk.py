@@ -1,0 +1,329 @@
+"""Deterministic, length-aware top-k for the DSA lightning indexer (`fast_topk`), and its torch
+twin (`fast_topk_ref`). Both return bit-identical int32 index tensors on any input.
+
+Semantics. Row r of `scores` [R, W] (fp32) considers columns [0, n), n = lengths[r]. If n <= k the
+row is [0, 1, ..., n-1, -1, ..., -1]; otherwise it holds the k columns with the largest scores, ties
+broken by the LOWER column, in ascending column order. Values are compared through an
+order-preserving map of their bits (+x -> bits | 2^31, -x -> ~bits, -0.0 first made +0.0), so
+comparisons are exact and -inf is simply the lowest value. NaN is ordered by its bit pattern:
+positive NaNs rank above +inf, negative ones below -inf (same in kernel and twin; the indexer never
+produces NaN). The result depends only on the row's own values, never on the batch, the padding
+beyond its length or thread scheduling: no atomics, no floating-point sums.
+
+Kernel: MSB-first radix select on the 32-bit keys, RADIX_BITS per pass. A pass histograms (one
+`tl.histogram`, masked) the digit of the candidates -- valid columns whose higher key bits equal the
+prefix chosen so far -- takes the highest digit at which the count from the top reaches `need`,
+removes the strictly-greater count from `need`, and descends. It stops early when the chosen bin
+is taken whole (count == need) or all candidates share every lower bit (max == min of those bits):
+bf16-valued scores (the indexer's bf16 matmul cast to fp32, whose low 16 bits are zero) finish
+after 16 bits. The last pass walks the row in column order: columns above the threshold prefix
+plus the first `need` equal to it (rank by tl.cumsum, carried across blocks) are stored at a
+running output offset, so the output is ascending and exactly k entries are written.
+
+Launch shapes (same result; `split` picks one, shapes depend only on R, W, k: graph capturable):
+- fused (split=1): one program per row runs every pass; the row stays in L2 between passes.
+  For prefill (R = query tokens >> #SMs).
+- split (split=S>1): rows are cut into S chunks. Per pass a (R, S) kernel writes per-chunk
+  histograms to scratch and a (R,) kernel sums them, picks the digit and accumulates per-chunk
+  counts of selected-above and threshold-equal columns; the (R, S) write kernel turns them into
+  each chunk's output offset (exclusive prefix sums). 2 * passes + 1 launches, no host sync.
+  For decode (R = batch <= 160, W up to 160K), where one program per row idles most SMs.
+
+Cost model (H200, unmeasured). Triton 3.6 lowers tl.histogram to warp ballots: ~RADIX_BITS
+ballots + 2^RADIX_BITS / 32 popcounts per element, so 8-bit digits cost ~4x the ALU work of 6-bit
+ones per pass (newer Triton, e.g. 3.9, emits one shared-memory atomic per element: then try 8).
+The fused path is ALU-bound, hence 6 bits there: 3 histogram passes + 1 write pass for bf16-valued
+scores (4 reads of the row, from L2 after the first), up to 6 + 1 for arbitrary fp32. The split
+path is launch-bound, hence 8 bits there (2 passes / 5 launches for bf16 values, 4 / 9 at most).
+Knobs for the H200: radix_bits, split (auto_split, SPLIT_MIN_CHUNK), block, num_warps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_kernel.utils import next_pow2, patch_interpreter
+
+patch_interpreter()
+
+_INT_MIN = -(2**31)
+SPLIT_MIN_CHUNK = 4096  # columns per program in the split path: below this launch cost dominates
+MAX_SPLIT = 64  # the select kernel holds [MAX_SPLIT, 2^RADIX_BITS] counts in registers
+
+
+@triton.jit
+def _ukey(x):
+    """fp32 -> int32 holding the unsigned order-preserving key (-0.0 canonicalised to +0.0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == -2147483648, 0, bits)
+    return tl.where(bits < 0, bits ^ -1, bits ^ -2147483648)
+
+
+@triton.jit
+def _scan_pass(row, start, end, pref, pmask, LO: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr):
+    """Histogram of digit (key >> LO) & (BINS-1) over the candidates in [start, end), and the
+    max / min of their key bits below LO (equal: the candidates are tied on all remaining bits)."""
+    hist = tl.zeros([BINS], tl.int32)
+    lmax = tl.full([BLOCK], -1, tl.int32)  # elementwise, reduced once after the loop
+    lmin = tl.full([BLOCK], 2147483647, tl.int32)
+    for s in range(start, end, BLOCK):
+        cols = s + tl.arange(0, BLOCK)
+        valid = cols < end
+        key = _ukey(tl.load(row + cols, mask=valid, other=0.0))
+        cand = valid & ((key & pmask) == pref)
+        # The last pass of a width not dividing 32 overlaps bits already in the prefix: they are
+        # constant over the candidates, so the digit just spans a shifted range of bins.
+        hist += tl.histogram((key >> LO) & (BINS - 1), BINS, mask=cand)
+        low = key & ((1 << LO) - 1)
+        lmax = tl.maximum(lmax, tl.where(cand, low, -1))
+        lmin = tl.minimum(lmin, tl.where(cand, low, 2147483647))
+    return hist, tl.max(lmax, 0), tl.min(lmin, 0)
+
+
+@triton.jit
+def _choose(hist, need, BINS: tl.constexpr):
+    """Highest bin b with #candidates >= b reaching `need`; #candidates above b; #in b."""
+    bins = tl.arange(0, BINS)
+    ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+    b = tl.max(tl.where(ge >= need, bins, -1), 0)
+    above = tl.sum(tl.where(bins == b, ge - hist, 0), 0)
+    count = tl.sum(tl.where(bins == b, hist, 0), 0)
+    return b, above, count
+
+
+@triton.jit
+def _write_pass(row, out, start, end, pref, pmask, need, eq_seen, off, BLOCK: tl.constexpr):
+    """Stores, in column order from out[off], the columns of [start, end) whose key prefix is above
+    `pref`, and those equal to it while fewer than `need` equal ones were seen (eq_seen before)."""
+    thr = pref ^ -2147483648  # unsigned prefixes compared as signed after flipping the top bit
+    for s in range(start, end, BLOCK):
+        cols = s + tl.arange(0, BLOCK)
+        valid = cols < end
+        pk = (_ukey(tl.load(row + cols, mask=valid, other=0.0)) & pmask) ^ -2147483648
+        eq = (valid & (pk == thr)).to(tl.int32)
+        take = (valid & (pk > thr)) | ((eq == 1) & (eq_seen + tl.cumsum(eq, 0) <= need))
+        t = take.to(tl.int32)
+        tl.store(out + off + tl.cumsum(t, 0) - 1, cols, mask=take)
+        off += tl.sum(t, 0)
+        eq_seen += tl.sum(eq, 0)
+
+
+@triton.jit
+def _write_short(out, n, K, KBLOCK: tl.constexpr):
+    for s in range(0, K, KBLOCK):
+        j = s + tl.arange(0, KBLOCK)
+        tl.store(out + j, tl.where(j < n, j, -1), mask=j < K)
+
+
+@triton.jit
+def _topk_fused_kernel(x_ptr, len_ptr, out_ptr, stride, K, RB: tl.constexpr, NPASS: tl.constexpr,
+                       BLOCK: tl.constexpr, KBLOCK: tl.constexpr):
+    BINS: tl.constexpr = 1 << RB
+    r = tl.program_id(0)
+    row = x_ptr + r.to(tl.int64) * stride
+    out = out_ptr + r.to(tl.int64) * K
+    n = tl.load(len_ptr + r).to(tl.int32)
+    if n <= K:
+        _write_short(out, n, K, KBLOCK)
+    else:
+        zero = n * 0
+        pref, pmask, need, done = zero, zero, zero + K, zero
+        for p in tl.static_range(NPASS):
+            if done == 0:
+                # Digit of pass p: key bits [LO, 32 - p * RB), the last one clamped at bit 0.
+                LO: tl.constexpr = 32 - (p + 1) * RB if 32 - (p + 1) * RB > 0 else 0
+                hist, lmax, lmin = _scan_pass(row, 0, n, pref, pmask, LO, BINS, BLOCK)
+                b, above, count = _choose(hist, need, BINS)
+                need -= above
+                pref |= b << LO
+                pmask |= (zero + (BINS - 1)) << LO  # int32 shift: wraps into the sign bit
+                done = ((count == need) | (lmax == lmin)).to(tl.int32)
+        _write_pass(row, out, 0, n, pref, pmask, need, zero, zero, BLOCK)
+
+
+@triton.jit
+def _split_hist_kernel(x_ptr, len_ptr, state_ptr, hist_ptr, low_ptr, stride, K, CHUNK, S,
+                       P: tl.constexpr, LO: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr):
+    BINS: tl.constexpr = 1 << RB
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    n = tl.load(len_ptr + r).to(tl.int32)
+    if P == 0:
+        pref, pmask, live = n * 0, n * 0, n > K
+    else:
+        pref = tl.load(state_ptr + r * 4)
+        pmask = tl.load(state_ptr + r * 4 + 1)
+        live = tl.load(state_ptr + r * 4 + 3) == 0
+    if live:
+        start = c * CHUNK
+        end = tl.minimum(start + CHUNK, n)
+        hist, lmax, lmin = _scan_pass(x_ptr + r.to(tl.int64) * stride, start, end, pref, pmask,
+                                      LO, BINS, BLOCK)
+        slot = r * S + c
+        tl.store(hist_ptr + slot * BINS + tl.arange(0, BINS), hist)
+        tl.store(low_ptr + slot * 2, lmax)
+        tl.store(low_ptr + slot * 2 + 1, lmin)
+
+
+@triton.jit
+def _split_select_kernel(len_ptr, state_ptr, hist_ptr, low_ptr, cnt_ptr, K, S, P: tl.constexpr,
+                         LAST: tl.constexpr, LO: tl.constexpr, RB: tl.constexpr, SP2: tl.constexpr):
+    BINS: tl.constexpr = 1 << RB
+    r = tl.program_id(0)
+    n = tl.load(len_ptr + r).to(tl.int32)
+    if P == 0:
+        pref, pmask, need, done = n * 0, n * 0, n * 0 + K, (n <= K).to(tl.int32)
+        tl.store(state_ptr + r * 4 + 3, done)
+    else:
+        pref = tl.load(state_ptr + r * 4)
+        pmask = tl.load(state_ptr + r * 4 + 1)
+        need = tl.load(state_ptr + r * 4 + 2)
+        done = tl.load(state_ptr + r * 4 + 3)
+    if done == 0:
+        chunks = tl.arange(0, SP2)
+        cm = chunks < S
+        bins = tl.arange(0, BINS)
+        slot = r * S + chunks
+        h2 = tl.load(hist_ptr + slot[:, None] * BINS + bins[None, :], mask=cm[:, None], other=0)
+        lmax = tl.max(tl.load(low_ptr + slot * 2, mask=cm, other=-1), 0)
+        lmin = tl.min(tl.load(low_ptr + slot * 2 + 1, mask=cm, other=2147483647), 0)
+        b, above, count = _choose(tl.sum(h2, 0), need, BINS)
+        need -= above
+        # Per chunk: candidates above the chosen bin are selected outright; those in it stay tied.
+        gt = tl.sum(tl.where(bins[None, :] > b, h2, 0), 1)
+        if P > 0:
+            gt += tl.load(cnt_ptr + (r * 2) * S + chunks, mask=cm, other=0)
+        tl.store(cnt_ptr + (r * 2) * S + chunks, gt, mask=cm)
+        tl.store(cnt_ptr + (r * 2 + 1) * S + chunks, tl.sum(tl.where(bins[None, :] == b, h2, 0), 1), mask=cm)
+        done = ((count == need) | (lmax == lmin)).to(tl.int32)
+        if LAST:
+            done = n * 0 + 1
+        tl.store(state_ptr + r * 4, pref | (b << LO))
+        tl.store(state_ptr + r * 4 + 1, pmask | ((n * 0 + (BINS - 1)) << LO))
+        tl.store(state_ptr + r * 4 + 2, need)
+        tl.store(state_ptr + r * 4 + 3, done)
+
+
+@triton.jit
+def _split_write_kernel(x_ptr, len_ptr, state_ptr, cnt_ptr, out_ptr, stride, K, CHUNK, S,
+                        SP2: tl.constexpr, BLOCK: tl.constexpr, KBLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    n = tl.load(len_ptr + r).to(tl.int32)
+    out = out_ptr + r.to(tl.int64) * K
+    if n <= K:
+        if c == 0:
+            _write_short(out, n, K, KBLOCK)
+    else:
+        need = tl.load(state_ptr + r * 4 + 2)
+        before = tl.arange(0, SP2) < c
+        gt = tl.sum(tl.load(cnt_ptr + (r * 2) * S + tl.arange(0, SP2), mask=before, other=0), 0)
+        eq = tl.sum(tl.load(cnt_ptr + (r * 2 + 1) * S + tl.arange(0, SP2), mask=before, other=0), 0)
+        start = c * CHUNK
+        _write_pass(x_ptr + r.to(tl.int64) * stride, out, start, tl.minimum(start + CHUNK, n),
+                    tl.load(state_ptr + r * 4), tl.load(state_ptr + r * 4 + 1), need, eq,
+                    gt + tl.minimum(eq, need), BLOCK)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def auto_split(rows: int, width: int, device: torch.device) -> int:
+    """Chunks per row: 1 (fused) once the rows alone fill the GPU; else ~2 programs per SM, each
+    at least SPLIT_MIN_CHUNK columns. Depends on shapes only (CUDA-graph safe)."""
+    sms = _num_sms(torch.device(device))
+    if rows >= sms:
+        return 1
+    return max(1, min(triton.cdiv(width, SPLIT_MIN_CHUNK), triton.cdiv(2 * sms, max(rows, 1)), MAX_SPLIT))
+
+
+def fast_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
+              split: int | None = None, radix_bits: int | None = None, block: int | None = None,
+              num_warps: int | None = None) -> torch.Tensor:
+    """Indices [R, k] int32 of each row's top-k over its first lengths[r] columns (module docstring).
+
+    scores: [R, W] fp32 with unit column stride (any row stride). lengths: [R] int32/int64 on the
+    same device, 0 <= lengths[r] <= W (read by the kernel: no host sync). Knobs (results do not
+    depend on them): split (chunks per row, None = auto_split), radix_bits (5..8; default 6 fused,
+    8 split), block (columns per loop step, power of 2), num_warps.
+    """
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be a 2-D float32 tensor, got {tuple(scores.shape)} {scores.dtype}")
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    rows, width = scores.shape
+    if lengths.shape != (rows,) or lengths.dtype not in (torch.int32, torch.int64) or lengths.device != scores.device:
+        raise ValueError(f"lengths must be int32/int64 of shape ({rows},) on {scores.device}")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    if out is None:
+        out = torch.empty((rows, k), dtype=torch.int32, device=scores.device)
+    elif out.shape != (rows, k) or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError("out must be a contiguous int32 tensor of shape (R, k)")
+    if rows == 0:
+        return out
+    split = auto_split(rows, width, scores.device) if split is None else max(1, int(split))
+    rb = radix_bits or (6 if split == 1 else 8)
+    if not 5 <= rb <= 8:
+        raise ValueError("radix_bits must be in [5, 8]")
+    npass = triton.cdiv(32, rb)
+    kblock = min(1024, next_pow2(k))
+    stride = scores.stride(0)
+    if split == 1:
+        _topk_fused_kernel[(rows,)](scores, lengths, out, stride, k, RB=rb, NPASS=npass, BLOCK=block or 1024,
+                                    KBLOCK=kblock, num_warps=num_warps or 8)
+        return out
+    chunk = triton.cdiv(triton.cdiv(width, split), block or 1024) * (block or 1024)
+    s = triton.cdiv(width, chunk) if width else 1
+    if s > MAX_SPLIT:
+        raise ValueError(f"split {s} > {MAX_SPLIT}: raise block or lower split")
+    dev = scores.device
+    state = torch.empty((rows, 4), dtype=torch.int32, device=dev)
+    hist = torch.empty((rows, s, 1 << rb), dtype=torch.int32, device=dev)
+    low = torch.empty((rows, s, 2), dtype=torch.int32, device=dev)
+    cnt = torch.empty((rows, 2, s), dtype=torch.int32, device=dev)
+    sp2 = next_pow2(s)
+    blk = min(block or 1024, next_pow2(chunk))
+    for p in range(npass):
+        lo = max(32 - (p + 1) * rb, 0)
+        _split_hist_kernel[(rows, s)](scores, lengths, state, hist, low, stride, k, chunk, s, P=p, LO=lo, RB=rb,
+                                      BLOCK=blk, num_warps=num_warps or 4)
+        _split_select_kernel[(rows,)](lengths, state, hist, low, cnt, k, s, P=p, LAST=p == npass - 1, LO=lo,
+                                      RB=rb, SP2=sp2, num_warps=8)  # [SP2, BINS] counts in registers
+    _split_write_kernel[(rows, s)](scores, lengths, state, cnt, out, stride, k, chunk, s, SP2=sp2, BLOCK=blk,
+                                   KBLOCK=kblock, num_warps=num_warps or 4)
+    return out
+
+
+def order_key(scores: torch.Tensor) -> torch.Tensor:
+    """Signed int32 key with the order of the fp32 values (-0.0 == +0.0); the kernel's unsigned key
+    is this one with the top bit flipped."""
+    bits = scores.contiguous().view(torch.int32)
+    bits = torch.where(bits == _INT_MIN, torch.zeros_like(bits), bits)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def fast_topk_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """Torch twin of fast_topk: torch.topk on int64 (key << 32 | W-1-col), so equal keys rank the
+    lower column higher; the selected columns are then sorted ascending. No host syncs either."""
+    rows, width = scores.shape
+    dev = scores.device
+    ar = torch.arange(k, device=dev, dtype=torch.int32)
+    n = lengths.to(torch.int64)[:, None]
+    out = torch.where(ar[None, :] < n, ar[None, :], -1).to(torch.int32)  # rows with n <= k
+    if rows == 0 or width <= k:  # then every row has n <= W <= k
+        return out
+    cols = torch.arange(width, device=dev, dtype=torch.int64)
+    packed = (order_key(scores).to(torch.int64) << 32) | (width - 1 - cols)[None, :]
+    packed = packed.masked_fill(cols[None, :] >= n, torch.iinfo(torch.int64).min)  # below every key
+    top = packed.topk(k, dim=1, sorted=False).values
+    sel = (width - 1 - (top & 0xFFFFFFFF)).sort(dim=1).values.to(torch.int32)
+    return torch.where(n > k, sel, out)

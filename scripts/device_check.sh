@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Device runs (see /work/.library/device): bash scripts/device_check.sh [parity] [server] [bench-v32] [bench-glm]
+# Device runs (see /work/.library/device): bash scripts/device_check.sh STEP...
+#   gpu-tests: kernel tests compiled, the Triton model path + CUDA graphs + no-sync guard, parity vs transformers
+#   bench-kernels: MLA / indexer / top-k / fused MoE kernels vs the H200's copy and matmul ceilings
+#   bench-e2e: engine vs transformers generate (V3.2 and GLM-5 shapes);  bench-v32 / bench-glm: IndexCache
 # Pure-Python wheels the GPU image lacks (transformers 5.23, fastapi, uvicorn, pyzmq, openai, ...)
 # travel in .whl/ (carry it).
 set -uo pipefail
@@ -17,6 +20,19 @@ steps=${*:-parity bench-v32}
 for step in $steps; do
   echo "=== $step"
   case $step in
+    gpu-tests)  # compiled kernels vs their twins; the model through them (graphs on) vs transformers
+      SGLANG_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -p no:cacheprovider \
+        test/registered/unit/kernels test/srt/test_triton_backends.py test/srt/test_model_parity.py \
+        -k "not server_through" 2>&1 | tail -15 | tee "$OUT/gpu-tests.txt" ;;
+    bench-kernels)
+      python3 benchmark/kernels/bench_attention_kernels.py --out-dir "$OUT" 2>&1 | tail -14 | tee "$OUT/bench-attn.txt"
+      python3 benchmark/kernels/bench_fused_moe.py --out-dir "$OUT" 2>&1 | tail -14 | tee "$OUT/bench-moe.txt"
+      python3 benchmark/kernels/bench_topk.py --out-dir "$OUT" 2>&1 | tail -14 | tee "$OUT/bench-topk.txt" ;;
+    bench-e2e)
+      for shape in ${E2E_SHAPES:-deepseek-v32 glm-5}; do
+        timeout ${BENCH_TIMEOUT:-420} python3 benchmark/e2e/bench_e2e_vs_hf.py --shape $shape --out-dir "$OUT" \
+          ${E2E_ARGS:-} 2>&1 | grep -v "^  " | tail -12 | tee "$OUT/e2e-$shape.txt"
+      done ;;
     parity)  # our model on cuda vs transformers on cpu (fp32)
       SGLANG_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider \
         test/srt/test_model_parity.py test/srt/test_indexcache.py test/srt/test_nextn.py \

@@ -3,7 +3,9 @@
 Kernels run natively on CUDA and on CPU under Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is imported). The interpreter of Triton 3.9 multiplies bfloat16 tiles as their raw
 uint16 bits in `tl.dot`; `patch_interpreter()` upcasts them first (what the GPU's tensor cores do),
-so the bf16 code paths are testable on CPU too.
+so the bf16 code paths are testable on CPU too. Its fp32 -> bf16 / e4m3 casts truncate, while the
+GPU rounds to nearest even; the patch rounds like the GPU (through torch's casts, which do), so CPU
+kernel results equal the torch twins bit for bit where the GPU's would.
 """
 
 from __future__ import annotations
@@ -50,6 +52,30 @@ def patch_interpreter() -> None:
 
     create_dot._sglang_bf16_patch = True
     interp.InterpreterBuilder.create_dot = create_dot
+
+    torch_of = {tl.bfloat16: (torch.bfloat16, np.uint16), tl.float8e4nv: (torch.float8_e4m3fn, np.uint8)}
+    cast_impl, fp_to_fp = interp.InterpreterBuilder.cast_impl, interp.InterpreterBuilder.create_fp_to_fp
+
+    def rounded(src, dst_type):
+        dst = dst_type.scalar
+        if dst in torch_of and src.dtype.scalar == tl.float32:
+            tdt, npdt = torch_of[dst]
+            out = torch.from_numpy(np.ascontiguousarray(src.data)).to(tdt).view(torch.uint8 if npdt == np.uint8
+                                                                                  else torch.int16)
+            return interp.TensorHandle(out.numpy().view(npdt).reshape(src.data.shape), dst)
+        return None
+
+    def cast_rne(self, src, dst_type):
+        out = rounded(src, dst_type)
+        return cast_impl(self, src, dst_type) if out is None else out
+
+    def fp_to_fp_rne(self, src, dst_type, rounding_mode):
+        out = rounded(src, dst_type)
+        return fp_to_fp(self, src, dst_type, rounding_mode) if out is None else out
+
+    interp.InterpreterBuilder.cast_impl = cast_rne
+    interp.InterpreterBuilder.create_fp_trunc = lambda self, src, dst_type: cast_rne(self, src, dst_type)
+    interp.InterpreterBuilder.create_fp_to_fp = fp_to_fp_rne
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -124,7 +124,7 @@ def test_query_chunked_prefill_matches_reference(model_case, monkeypatch):
 
     name, path, hf = model_case
     monkeypatch.setattr(nsa_backend, "SCORE_BLOCK_ELEMS", 3000)  # a few queries per block
-    assert nsa_backend.query_chunk(4, 100) == 7
+    assert nsa_backend.query_chunk(4 * 100) == 7
     prompts = _prompts()
     for mla_path in ("plain", "absorbed"):
         for prompt, ours in zip(prompts, _prefill_all_logits(_engine(path, 1, mla_attn_path=mla_path), prompts)):

@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from sglang.srt.entrypoints.engine import Engine
-from sglang.srt.layers.attention.nsa.nsa_backend import NativeSparseAttnBackend
+from sglang.srt.layers.attention.attention_registry import create_attn_backend
 from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.testing.runner_utils import backend_harness
 
 D, H, R, TOPK, L = 64, 4, 16, 16, 96  # index head dim, index heads, rope dims, index_topk, prompt length
 Q_NORM, K_NORM = 2.0, math.sqrt(D)  # |q_h|; LayerNorm output has unit mean square, so |k| = sqrt(D)
@@ -84,32 +85,33 @@ def _inputs(seed: int):
 
 
 @torch.inference_mode()  # as the model runner runs it
-def _run(index_k_dtype: str, page_size: int, x, q_lora):
+def _run(index_k_dtype: str, page_size: int, x, q_lora, backend_name: str = "torch"):
     """Prefill L tokens, then decode one, through Indexer.forward; returns both top-k outputs."""
     idx = _indexer()
     pool = NSATokenToKVPool(512, page_size, torch.float32, 16, 8, 1, D, index_k_dtype)
     r2t, alloc = ReqToTokenPool(2, 512), PagedTokenToKVPoolAllocator(512, page_size)
-    backend = NativeSparseAttnBackend(pool)
+    backend = create_attn_backend(backend_name, backend_harness(pool, r2t, index_heads=H, index_topk=TOPK))
     slot = r2t.alloc(1)[0]
     loc = alloc.alloc_extend([0], [L + 1], [-1])
     r2t.write(slot, 0, loc)
     outs = []
     for mode, start, n in ((ForwardMode.EXTEND, 0, L), (ForwardMode.DECODE, L, 1)):
         fb = ForwardBatch.build(mode, [0] * n, [slot], [start], [n], loc[start : start + n])
-        fb.req_to_token_pool, fb.token_to_kv_pool = r2t, pool
+        fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, pool, backend
         backend.init_forward_metadata(fb)
         outs.append(idx(x[start : start + n], q_lora[start : start + n], fb.positions, fb))
     return outs
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fp8_indexer_keeps_every_top_k_with_an_e4m3_margin(page_size, seed):
+def test_fp8_indexer_keeps_every_top_k_with_an_e4m3_margin(page_size, seed, backend):
     assert COS_ERR < 0.13  # the margin the inputs are built with stays meaningful
     x, q_lora, strong = _inputs(seed)
     checked_rows = range(max(strong), L)  # every strong key is visible (and L > TOPK: scored)
     for mode in ("float32", "fp8_e4m3"):
-        prefill, decode = _run(mode, page_size, x, q_lora)
+        prefill, decode = _run(mode, page_size, x, q_lora, backend)
         assert prefill.shape == (L, TOPK) and decode.shape == (1, TOPK)
         for t in checked_rows:
             assert set(prefill[t].tolist()) == strong, (mode, t)

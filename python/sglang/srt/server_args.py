@@ -19,10 +19,14 @@ DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 DEVICE_CHOICES = ["auto", "cpu", "cuda"]
 SCHEDULE_POLICIES = ["fcfs", "lpm"]
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
-INDEX_K_DTYPES = ["fp8_e4m3", "bfloat16", "float32"]
-NSA_BACKENDS = ["torch"]
-MLA_PATHS = ["auto", "plain", "absorbed"]
 LOAD_FORMATS = ["auto", "safetensors", "dummy"]
+# Choices that name code live beside that code (import-light modules), so they cannot drift.
+from sglang.srt.layers.attention.attention_registry import (  # noqa: E402
+    INDEX_K_DTYPE_NAMES,
+    MLA_PATHS,
+    NSA_BACKEND_CHOICES,
+)
+from sglang.srt.layers.moe import MOE_RUNNER_BACKENDS  # noqa: E402
 
 
 class ServerArgsError(ValueError):
@@ -55,10 +59,10 @@ class ServerArgs:
     device: str = _f("auto", "Device; auto = cuda when available, else cpu.", "runtime", DEVICE_CHOICES)
     tp_size: int = _f(1, "Tensor parallel size.", "runtime")
     random_seed: int | None = _f(None, "Seed for sampling without a per-request seed.", "runtime")
-    disable_cuda_graph: bool = _f(False, "Disable CUDA graphs for decode (accepted for compatibility: this "
-                                  "build has no CUDA graph runner yet, decode runs eagerly).", "runtime")
-    cuda_graph_max_bs: int = _f(160, "Largest decode batch captured in a CUDA graph (see --disable-cuda-graph).",
-                                "runtime")
+    disable_cuda_graph: bool = _f(False, "Run decode eagerly instead of replaying CUDA graphs (graphs need "
+                                  "CUDA and a graph-capturable decode backend: triton).", "runtime")
+    cuda_graph_max_bs: int = _f(160, "Largest decode batch captured in a CUDA graph; larger batches run "
+                                "eagerly.", "runtime")
 
     # -- memory -----------------------------------------------------------------------------
     mem_fraction_static: float = _f(0.85, "Fraction of GPU memory for weights + KV cache.", "memory")
@@ -92,9 +96,14 @@ class ServerArgs:
     # -- NSA / DSA ------------------------------------------------------------------------------
     nsa_index_k_dtype: str = _f("fp8_e4m3", "Indexer K cache dtype: fp8_e4m3 (+ fp32 scales, like upstream), "
                                 "or an exact bfloat16 / float32 mode (matches the unquantised reference).",
-                                "nsa", INDEX_K_DTYPES)
-    nsa_prefill_backend: str = _f("torch", "Sparse attention kernels for prefill.", "nsa", NSA_BACKENDS)
-    nsa_decode_backend: str = _f("torch", "Sparse attention kernels for decode.", "nsa", NSA_BACKENDS)
+                                "nsa", INDEX_K_DTYPE_NAMES)
+    nsa_prefill_backend: str = _f("auto", "Attention + indexer kernels for prefill: triton (sgl_kernel) or "
+                                  "torch (the reference); auto = triton on CUDA, torch on CPU.", "nsa",
+                                  NSA_BACKEND_CHOICES)
+    nsa_decode_backend: str = _f("auto", "Attention + indexer kernels for decode (as --nsa-prefill-backend; may "
+                                 "differ from it).", "nsa", NSA_BACKEND_CHOICES)
+    moe_runner_backend: str = _f("auto", "Expert computation: triton (fused MoE kernels) or torch (reference "
+                                 "loop); auto = triton on CUDA, torch on CPU.", "nsa", MOE_RUNNER_BACKENDS)
     nsa_index_topk_freq: int | None = _f(None, "IndexCache: run the DSA indexer every N layers; the layers between "
                                          "reuse the previous top-k (1 = every layer; default: the checkpoint's).",
                                          "nsa")
@@ -156,6 +165,19 @@ class ServerArgs:
         )
         if out.chunked_prefill_size > 0 and out.chunked_prefill_size % out.page_size:
             raise ServerArgsError("chunked_prefill_size", f"must be a multiple of --page-size {out.page_size}")
+        from sglang.srt.layers.attention.attention_registry import backend_unrunnable_reason, resolve_backend_name
+        from sglang.srt.layers.moe import resolve_moe_runner_backend
+
+        for name in ("nsa_prefill_backend", "nsa_decode_backend"):
+            backend = resolve_backend_name(getattr(out, name), device)
+            reason = backend_unrunnable_reason(backend, device)
+            if reason:
+                raise ServerArgsError(name, reason)
+            setattr(out, name, backend)
+        out.moe_runner_backend = resolve_moe_runner_backend(out.moe_runner_backend, device)
+        reason = backend_unrunnable_reason(out.moe_runner_backend, device)
+        if reason:
+            raise ServerArgsError("moe_runner_backend", reason)
         return out
 
     def model_overrides(self) -> dict:
@@ -249,7 +271,8 @@ def _check_logging(args: ServerArgs) -> None:
 
 
 def _check_nsa(args: ServerArgs) -> None:
-    for name in ("nsa_index_k_dtype", "nsa_prefill_backend", "nsa_decode_backend", "mla_attn_path"):
+    for name in ("nsa_index_k_dtype", "nsa_prefill_backend", "nsa_decode_backend", "mla_attn_path",
+                 "moe_runner_backend"):
         _choice(args, name)
     _positive(args, "nsa_index_topk_freq")
     _positive(args, "nsa_index_topk_offset")

@@ -125,12 +125,14 @@ class ModelConfig:
         self.context_len: int = int(context_length or max_pos)
         self.vocab_size: int = int(cfg.vocab_size)
         self.hidden_size: int = int(cfg.hidden_size)
+        self.num_attention_heads: int = int(getattr(cfg, "num_attention_heads", 1) or 1)
         self.num_hidden_layers: int = int(cfg.num_hidden_layers)
         self.is_dsa: bool = self.architecture.removesuffix("NextN") in DSA_ARCHITECTURES
         self.kv_lora_rank: int = int(getattr(cfg, "kv_lora_rank", 0) or 0)
         self.qk_rope_head_dim: int = int(getattr(cfg, "qk_rope_head_dim", 0) or 0)
         self.index_head_dim: int = int(getattr(cfg, "index_head_dim", 0) or 0) if self.is_dsa else 0
         self.index_topk: int = int(getattr(cfg, "index_topk", 2048) or 2048) if self.is_dsa else 0
+        self.index_n_heads: int = int(getattr(cfg, "index_n_heads", 64) or 64) if self.is_dsa else 0
         self.index_layer_schedule: IndexLayerSchedule | None = None
         if self.is_dsa:
             flags = {"index_topk_freq": index_topk_freq, "index_skip_topk_offset": index_topk_offset,
@@ -196,6 +198,15 @@ def model_config_from_server_args(sa) -> "ModelConfig":
     heads = mc.hf_config.num_attention_heads
     if heads % sa.tp_size:
         raise ServerArgsError("tp_size", f"{sa.tp_size} does not divide num_attention_heads {heads}")
+    triton = [f for f in ("nsa_prefill_backend", "nsa_decode_backend") if getattr(sa, f) == "triton"]
+    if mc.is_dsa and triton:
+        idx_heads = mc.index_n_heads
+        if idx_heads & (idx_heads - 1) or mc.index_head_dim & (mc.index_head_dim - 1):
+            raise ServerArgsError(triton[0], f"the triton indexer needs power-of-two index_n_heads ({idx_heads}) "
+                                  f"and index_head_dim ({mc.index_head_dim}); use torch")
+        if sa.nsa_index_k_dtype == "fp8_e4m3" and mc.index_head_dim > 128:
+            raise ServerArgsError(triton[0], f"the triton FP8 indexer needs index_head_dim <= 128 (got "
+                                  f"{mc.index_head_dim}); use --nsa-index-k-dtype bfloat16 or torch")
     if sa.enable_two_batch_overlap:
         if mc.index_layer_schedule is not None and mc.index_layer_schedule.shares:
             raise ServerArgsError(

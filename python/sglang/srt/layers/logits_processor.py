@@ -17,8 +17,9 @@ class LogitsProcessorOutput:
     # Input-token logprobs, flattened over requests that asked for them: logprob of input token
     # j+1 given tokens <= j, for j in [logprob_start_len, extend_len - 1) of the extended part.
     input_token_logprobs: torch.Tensor | None = None
-    input_top_logprobs_val: list | None = None
-    input_top_logprobs_idx: list | None = None
+    input_logprob_counts: list[int] | None = None  # rows per request in input_token_logprobs
+    input_top_logprobs_val: torch.Tensor | None = None  # [rows, max top_logprobs_num]
+    input_top_logprobs_idx: torch.Tensor | None = None
     full_logits: torch.Tensor | None = None  # [T, V] when forward_batch.return_all_logits
 
 
@@ -54,33 +55,24 @@ class LogitsProcessor(nn.Module):
         return out
 
     def _input_logprobs(self, hidden_states, lm_head, forward_batch: ForwardBatch, out) -> None:
-        rows, targets, counts = [], [], []
-        ids = forward_batch.input_ids
-        for i in range(forward_batch.batch_size):
+        # Rows are chosen on the host (CPU lists), then gathered in one indexing op.
+        rows, counts, s = [], [], 0
+        for i, e in enumerate(forward_batch.extend_seq_lens_cpu):
             start_len = forward_batch.logprob_start_lens_cpu[i] if forward_batch.logprob_start_lens_cpu else -1
-            e = forward_batch.extend_seq_lens_cpu[i]
-            s = int(forward_batch.extend_start_loc[i])
-            if start_len < 0 or start_len >= e - 1:
-                counts.append(0)
-                continue
-            r = torch.arange(s + start_len, s + e - 1, device=ids.device)
-            rows.append(r)
-            targets.append(ids[r + 1])
-            counts.append(len(r))
+            n = max(e - 1 - start_len, 0) if start_len >= 0 else 0
+            rows.extend(range(s + start_len, s + start_len + n))
+            counts.append(n)
+            s += e
         if not rows:
             out.input_token_logprobs = torch.empty(0)
             return
-        r, t = torch.cat(rows), torch.cat(targets)
+        ids = forward_batch.input_ids
+        r = torch.tensor(rows, device=ids.device)
+        t = ids[r + 1]
         logprobs = torch.log_softmax(lm_head.logits(hidden_states[r]).float(), dim=-1)
         out.input_token_logprobs = logprobs.gather(1, t[:, None]).squeeze(1)
+        out.input_logprob_counts = counts
         nums = forward_batch.top_logprobs_nums or []
         if any(n > 0 for n in nums):
-            k = max(nums)
-            vals, idx = logprobs.topk(k, dim=-1)
-            out.input_top_logprobs_val, out.input_top_logprobs_idx = [], []
-            off = 0
-            for i, c in enumerate(counts):
-                n = nums[i] if i < len(nums) else 0
-                out.input_top_logprobs_val.append(vals[off : off + c, :n].tolist())
-                out.input_top_logprobs_idx.append(idx[off : off + c, :n].tolist())
-                off += c
+            # Kept on the device; the scheduler copies them once with the step's results.
+            out.input_top_logprobs_val, out.input_top_logprobs_idx = logprobs.topk(max(nums), dim=-1)

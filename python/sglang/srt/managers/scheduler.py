@@ -1,15 +1,17 @@
 """Scheduler: continuous batching over the model runner, with a prefix cache.
 
-Each `step()` either runs a prefill (extend) batch of newly admitted requests -- optionally with
-the running decode requests mixed in -- or one decode step of the running requests. Requests
-that cannot get KV wait; a decode step that runs out of KV retracts requests back to the queue.
+`step()` = `get_next_batch_to_run()` (a prefill batch of newly admitted requests -- optionally
+with the running decode requests mixed in -- or one decode step of the running requests) ->
+`run_batch()` (one forward + sampling, then the step's single device->host copy) ->
+`process_batch_result()` (scheduler_output_processor.py; results may hold several tokens per
+request). Requests that cannot get KV wait; a decode step that runs out of KV retracts requests
+back to the queue. The scheduler reads only host state (the req_to_token host mirror, CPU lists).
 The same class runs in-process (the offline Engine) and inside the scheduler process.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -21,8 +23,9 @@ from sglang.srt.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
-from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ScheduleBatch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting_queue
+from sglang.srt.managers.scheduler_output_processor import GenerationBatchResult, SchedulerOutputProcessorMixin
 from sglang.srt.mem_cache.base_prefix_cache import ChunkCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -37,7 +40,7 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class Scheduler:
+class Scheduler(SchedulerOutputProcessorMixin):
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None, tokenizer=None,
                  tp_group: GroupCoordinator = SINGLE_GROUP) -> None:
         self.server_args = server_args
@@ -115,13 +118,18 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
         outputs = self._drain_aborts()
+        batch = self.get_next_batch_to_run()
+        if batch is None:
+            return outputs
+        result = self.run_batch(batch)
+        outputs += self.process_batch_result(batch, result)
+        return outputs
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
         batch = self._get_new_batch_prefill()
         if batch is None and self.running:
             batch = self._prepare_decode()
-        if batch is None:
-            return outputs
-        outputs += self._run_batch(batch)
-        return outputs
+        return batch
 
     def _drain_aborts(self) -> list[ReqOutput]:
         outs = []
@@ -249,9 +257,8 @@ class Scheduler:
             logger.warning("KV cache full: retracted %d request(s) back to the queue", retracted)
 
     def _alloc_batch_kv(self, batch: ScheduleBatch) -> bool:
-        r2t = self.req_to_token_pool.req_to_token
         seq_lens = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
-        last_locs = [int(r2t[r.req_pool_idx, p - 1]) if p > 0 else -1 for r, p in zip(batch.reqs, batch.prefix_lens)]
+        last_locs = [self.req_to_token_pool.last_loc(r.req_pool_idx, p) for r, p in zip(batch.reqs, batch.prefix_lens)]
         out = self.allocator.alloc_extend(batch.prefix_lens, seq_lens, last_locs)
         if out is None:
             need = sum(batch.extend_lens) + self.page_size * len(batch.reqs)
@@ -276,95 +283,13 @@ class Scheduler:
             output_ids=[r.output_ids for r in reqs], seeds_step=[len(r.output_ids) for r in reqs],
             eos_token_ids=self.eos_token_ids)
 
-    def _run_batch(self, batch: ScheduleBatch) -> list[ReqOutput]:
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         fb = batch.build_forward_batch(batch.input_ids, batch.out_cache_loc, self.device,
                                        self._sampling_info(batch.reqs))
         logits_output = self.model_runner.forward(fb)
         sample = self.model_runner.sample(logits_output, fb)
         self.forward_ct += 1
-        return self._process_batch_result(batch, fb, logits_output, sample)
-
-    def _process_batch_result(self, batch: ScheduleBatch, fb, logits_output, sample) -> list[ReqOutput]:
-        outputs: list[ReqOutput] = []
-        next_ids = sample.next_token_ids.tolist()
-        lp_offset = 0
-        now = time.monotonic()
-        for i, req in enumerate(batch.reqs):
-            req.kv_committed_len = batch.prefix_lens[i] + batch.extend_lens[i]
-            lp_offset = self._collect_input_logprobs(req, fb, logits_output, i, lp_offset)
-            if req.is_chunked and len(req.fill_ids()) > req.kv_committed_len:
-                self.tree_cache.cache_unfinished_req(req)
-                self.chunked_req = req
-                continue
-            req.is_chunked = False
-            if req.sampling_params.max_new_tokens == 0:
-                # Prefill only (e.g. echo + prompt logprobs): the sampled token is not an output.
-                req.finished_reason = FINISH_LENGTH(0)
-                self.tree_cache.cache_finished_req(req)
-                outputs.append(self._make_output(req, []))
-                continue
-            req.output_ids.append(next_ids[i])
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if req.return_logprob and sample.next_token_logprobs is not None:
-                req.pending_logprobs.append(float(sample.next_token_logprobs[i]))
-                if req.top_logprobs_num and sample.top_logprobs is not None:
-                    vals, ids = sample.top_logprobs[i]
-                    req.pending_top_logprobs.append(list(zip(vals, ids)))
-            req.check_finished(self.eos_token_ids, self.tokenizer)
-            if req not in self.running and not req.finished():
-                self.running.append(req)
-            if req.finished():
-                if req in self.running:
-                    self.running.remove(req)
-                self.tree_cache.cache_finished_req(req)
-            outputs.append(self._make_output(req, [next_ids[i]]))
-        return outputs
-
-    def _collect_input_logprobs(self, req: Req, fb, logits_output, i: int, offset: int) -> int:
-        if not (fb.return_logprob and fb.logprob_start_lens_cpu and fb.logprob_start_lens_cpu[i] >= 0):
-            return offset
-        e = fb.extend_seq_lens_cpu[i]
-        n = max(e - 1 - fb.logprob_start_lens_cpu[i], 0)
-        if req.input_token_logprobs is None:
-            req.input_token_logprobs, req.input_top_logprobs = [], []
-        req.input_token_logprobs += logits_output.input_token_logprobs[offset : offset + n].tolist()
-        if logits_output.input_top_logprobs_val is not None:
-            vals, idx = logits_output.input_top_logprobs_val[i], logits_output.input_top_logprobs_idx[i]
-            req.input_top_logprobs += [list(zip(v, t)) for v, t in zip(vals, idx)]
-        fill = req.fill_ids()
-        end = fb.extend_prefix_lens_cpu[i] + e
-        if end < len(req.origin_input_ids):
-            # Chunk boundary: the chunk's last row scores the next chunk's first token.
-            lp = torch.log_softmax(logits_output.next_token_logits[i], dim=-1)
-            req.input_token_logprobs.append(float(lp[fill[end]]))
-            if req.top_logprobs_num:
-                v, t = lp.topk(req.top_logprobs_num)
-                req.input_top_logprobs.append(list(zip(v.tolist(), t.tolist())))
-        return offset + n
-
-    def _make_output(self, req: Req, new_ids: list[int]) -> ReqOutput:
-        sp = req.sampling_params
-        out = ReqOutput(
-            rid=req.rid,
-            new_token_ids=new_ids,
-            finished_reason=req.finished_reason.to_json() if req.finished_reason else None,
-            prompt_tokens=len(req.origin_input_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            skip_special_tokens=sp.skip_special_tokens,
-            spaces_between_special_tokens=sp.spaces_between_special_tokens,
-            no_stop_trim=sp.no_stop_trim,
-            stop_strs=sp.stop_strs or None,
-        )
-        if req.return_logprob:
-            out.output_token_logprobs, req.pending_logprobs = req.pending_logprobs, []
-            out.output_top_logprobs, req.pending_top_logprobs = req.pending_top_logprobs, []
-            if not req.input_logprobs_sent and req.input_token_logprobs is not None and (new_ids or req.finished()):
-                out.input_token_logprobs = req.input_token_logprobs
-                out.input_top_logprobs = req.input_top_logprobs
-                req.input_logprobs_sent = True
-        return out
+        return GenerationBatchResult.from_device(batch, fb, logits_output, sample)
 
     # -- maintenance ------------------------------------------------------------------------------------
     def flush_cache(self) -> FlushCacheReqOutput:

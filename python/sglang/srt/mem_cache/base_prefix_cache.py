@@ -61,7 +61,7 @@ class BasePrefixCache(ABC):
     # Shared by the implementations: a request's KV slots for its first n tokens.
     @staticmethod
     def req_kv_indices(req, req_to_token_pool, n: int) -> torch.Tensor:
-        return req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(torch.int64).cpu()
+        return req_to_token_pool.read(req.req_pool_idx, n)
 
 
 class ChunkCache(BasePrefixCache):

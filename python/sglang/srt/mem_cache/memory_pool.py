@@ -2,33 +2,50 @@
 
 Layouts (per layer):
 - MLA: `kv_buffer[layer]` of [size + page_size, 1, kv_lora_rank + qk_rope_head_dim] in the model
-  dtype (latent then rope part, as upstream SGLang stores it).
+  dtype (latent then rope part, as upstream SGLang stores it); page p is rows [p * P, (p + 1) * P).
 - NSA index K: `index_k_with_scale_buffer[buffer]` of uint8 [num_pages + 1, page_size * bytes/token]:
   a page holds its tokens' K data first (FP8: D bytes/token; exact modes: D * itemsize), then, for
   FP8 only, the tokens' fp32 scales (one per 128 values). With D = 128 and FP8 this is upstream's
   [num_pages, page_size * (128 + 4)], so HiCache and transfers can move index K page by page.
-Slot 0..page_size-1 (page 0) is the padding page.
+Slot 0..page_size-1 (page 0) is the padding page: padded tokens write there.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from typing import Protocol
+
 import torch
 
+from sglang.srt.layers.attention.attention_registry import INDEX_K_DTYPE_NAMES
 from sglang.srt.layers.attention.nsa.quant import (
     dequantize_fp8_per_block,
     num_scale_blocks,
     quantize_fp8_per_block,
 )
 
-INDEX_K_DTYPES = {"fp8_e4m3": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# index-K dtype names (the --nsa-index-k-dtype choices) -> storage dtype; None = FP8 + scales.
+INDEX_K_DTYPES = dict(zip(INDEX_K_DTYPE_NAMES, (None, torch.bfloat16, torch.float32)))
 
 
 class ReqToTokenPool:
-    """Maps (request slot, position) -> KV slot index."""
+    """Maps (request slot, position) -> KV slot index.
+
+    The scheduler reads and writes a host mirror (`req_to_token_cpu`), so it never reads the
+    device; writes are queued and applied to the device table (`req_to_token`, read by the
+    attention kernels) in one upload per step by `flush_writes()`. On a CPU device both are the
+    same tensor. Row `padding_slot` (one past the last request slot) stays all zeros: CUDA-graph
+    padding rows point there, i.e. at the padding page.
+    """
 
     def __init__(self, size: int, max_context_len: int, device: str = "cpu") -> None:
         self.size, self.max_context_len, self.device = size, max_context_len, device
-        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.padding_slot = size
+        shape = (size + 1, max_context_len)
+        self.req_to_token = torch.zeros(shape, dtype=torch.int32, device=device)
+        on_host = torch.device(device).type == "cpu"
+        self.req_to_token_cpu = self.req_to_token if on_host else torch.zeros(shape, dtype=torch.int32)
+        self._pending: list[tuple[int, int, torch.Tensor]] = []
         self.free_slots = list(range(size))
 
     def available_size(self) -> int:
@@ -51,13 +68,79 @@ class ReqToTokenPool:
         self.free_slots.extend(idxs)
 
     def write(self, req_idx: int, start: int, values: torch.Tensor) -> None:
-        self.req_to_token[req_idx, start : start + values.numel()] = values.to(self.req_to_token.device)
+        values = values.to("cpu", torch.int32).reshape(-1)
+        self.req_to_token_cpu[req_idx, start : start + values.numel()] = values
+        if self.req_to_token is not self.req_to_token_cpu and values.numel():
+            self._pending.append((req_idx, start, values))
+
+    def read(self, req_idx: int, n: int) -> torch.Tensor:
+        """The first n KV slots of a request (int64, host)."""
+        return self.req_to_token_cpu[req_idx, :n].to(torch.int64)
+
+    def last_loc(self, req_idx: int, n: int) -> int:
+        """KV slot of position n - 1 (-1 when n == 0), from the host mirror."""
+        return int(self.req_to_token_cpu[req_idx, n - 1]) if n > 0 else -1
+
+    def flush_writes(self) -> None:
+        """Apply queued writes to the device table: one pinned upload + one scatter."""
+        if not self._pending:
+            return
+        rows = torch.cat([torch.full((v.numel(),), r, dtype=torch.int32) for r, _, v in self._pending])
+        cols = torch.cat([torch.arange(s, s + v.numel(), dtype=torch.int32) for _, s, v in self._pending])
+        vals = torch.cat([v for _, _, v in self._pending])
+        self._pending.clear()
+        packed = torch.stack([rows, cols, vals])
+        if torch.cuda.is_available():
+            packed = packed.pin_memory()
+        dev = packed.to(self.req_to_token.device, non_blocking=True).long()
+        self.req_to_token[dev[0], dev[1]] = dev[2].to(torch.int32)
 
     def clear(self) -> None:
         self.free_slots = list(range(self.size))
 
 
-class MLATokenToKVPool:
+class LayerTransferCounter(Protocol):
+    """HiCache's layer-wise load progress: `wait_until(layer_id)` returns once that layer's KV
+    (MLA and index K) is on the device."""
+
+    def wait_until(self, layer_id: int) -> None: ...
+
+
+class KVCache(ABC):
+    """Base of the device KV pools.
+
+    Rule: every accessor of a layer's buffers calls `_wait_layer(layer_id)` first, the getters of
+    the raw buffers handed to kernels included. That single hook is where a layer-wise host load
+    (HiCache) blocks until the layer has arrived; an accessor that skips it reads stale KV (upstream
+    forgot it for the index K and shipped garbled output). Tests enumerate the accessors and check.
+    """
+
+    layer_transfer_counter: LayerTransferCounter | None = None
+
+    def register_layer_transfer_counter(self, counter: LayerTransferCounter | None) -> None:
+        self.layer_transfer_counter = counter
+
+    def _wait_layer(self, layer_id: int) -> None:
+        if self.layer_transfer_counter is not None:
+            self.layer_transfer_counter.wait_until(layer_id)
+
+    @abstractmethod
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def get_kv_pages(self, layer_id: int, pages: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def set_kv_pages(self, layer_id: int, pages: torch.Tensor, data: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def kv_bytes_per_token(self) -> int: ...
+
+    @abstractmethod
+    def get_kv_size_bytes(self) -> int: ...
+
+
+class MLATokenToKVPool(KVCache):
     def __init__(
         self,
         size: int,
@@ -68,6 +151,8 @@ class MLATokenToKVPool:
         layer_num: int,
         device: str = "cpu",
     ) -> None:
+        if size % page_size:
+            raise ValueError(f"KV pool size {size} must be a multiple of page_size {page_size}")
         self.size, self.page_size, self.dtype, self.device = size, page_size, dtype, device
         self.kv_lora_rank, self.qk_rope_head_dim, self.layer_num = kv_lora_rank, qk_rope_head_dim, layer_num
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
@@ -77,6 +162,8 @@ class MLATokenToKVPool:
         ]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        """The layer's whole [slots, 1, kv_lora_rank + rope] buffer (what kernels read)."""
+        self._wait_layer(layer_id)
         return self.kv_buffer[layer_id]
 
     def set_mla_kv_buffer(
@@ -88,8 +175,23 @@ class MLATokenToKVPool:
 
     def get_mla_kv(self, layer_id: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(latent [..., kv_lora_rank], k_rope [..., rope]) for slots `loc` of any shape."""
-        kv = self.kv_buffer[layer_id][loc, 0]
+        kv = self.get_key_buffer(layer_id)[loc, 0]
         return kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank :]
+
+    # -- page-level moves (HiCache backup/load, PD transfer) --------------------------------------
+    def _paged(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffer[layer_id].view(-1, self.page_size, self.kv_cache_dim)
+
+    def get_kv_pages(self, layer_id: int, pages: torch.Tensor) -> torch.Tensor:
+        """MLA KV of whole pages: [n, page_size, kv_lora_rank + rope]."""
+        self._wait_layer(layer_id)
+        return self._paged(layer_id)[pages]
+
+    def set_kv_pages(self, layer_id: int, pages: torch.Tensor, data: torch.Tensor) -> None:
+        expect = (len(pages), self.page_size, self.kv_cache_dim)
+        if tuple(data.shape) != expect:
+            raise ValueError(f"layer {layer_id}: MLA pages must be {expect}, got {tuple(data.shape)}")
+        self._paged(layer_id)[pages] = data.to(self.dtype).to(self.kv_buffer[layer_id].device)
 
     def kv_bytes_per_token(self) -> int:
         return self.layer_num * self.kv_cache_dim * self.dtype.itemsize
@@ -119,9 +221,9 @@ class NSATokenToKVPool(MLATokenToKVPool):
             raise ValueError(f"index_k_dtype {index_k_dtype!r} not in {sorted(INDEX_K_DTYPES)}")
         self.index_head_dim, self.index_k_dtype = index_head_dim, index_k_dtype
         self.is_fp8 = index_k_dtype == "fp8_e4m3"
-        self._data_dtype = torch.float8_e4m3fn if self.is_fp8 else INDEX_K_DTYPES[index_k_dtype]
+        self.data_dtype = torch.float8_e4m3fn if self.is_fp8 else INDEX_K_DTYPES[index_k_dtype]
         self.num_scales = num_scale_blocks(index_head_dim) if self.is_fp8 else 0
-        self.data_bytes_per_token = index_head_dim * self._data_dtype.itemsize
+        self.data_bytes_per_token = index_head_dim * self.data_dtype.itemsize
         self.index_bytes_per_token = self.data_bytes_per_token + 4 * self.num_scales
         if self.index_bytes_per_token % 4:
             raise ValueError(f"index_head_dim {index_head_dim} gives a per-token size not a multiple of 4 bytes")
@@ -148,13 +250,17 @@ class NSATokenToKVPool(MLATokenToKVPool):
                 "a shared IndexCache layer must not read or write indexer K"
             ) from None
 
-    def _views(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def get_index_k_buffer(self, layer_id: int) -> torch.Tensor:
+        """The layer's raw uint8 [num_pages + 1, page_size * bytes/token] buffer (what kernels read)."""
+        self._wait_layer(layer_id)
+        return self.index_k_with_scale_buffer[self.index_buffer_id(layer_id)]
+
+    def _views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Typed [num_pages, page_size, D] data view and [num_pages, page_size, ns] scale view."""
-        buf = self.index_k_with_scale_buffer[self.index_buffer_id(layer_id)]
         p, d, npg = self.page_size, self.index_head_dim, buf.shape[0]
         row = buf.shape[1]
-        isz = self._data_dtype.itemsize
-        data = buf.view(self._data_dtype).as_strided((npg, p, d), (row // isz, d, 1))
+        isz = self.data_dtype.itemsize
+        data = buf.view(self.data_dtype).as_strided((npg, p, d), (row // isz, d, 1))
         if not self.is_fp8:
             return data, None
         f32 = buf.view(torch.float32)
@@ -163,18 +269,19 @@ class NSATokenToKVPool(MLATokenToKVPool):
         return data, scales
 
     def set_index_k(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor) -> None:
-        data, scales = self._views(layer_id)
+        """Quantise (FP8 mode) and store index K [T, D] at slots `loc` (torch twin of the store kernel)."""
+        data, scales = self._views(self.index_k_with_scale_buffer[self.index_buffer_id(layer_id)])
         page, off = loc // self.page_size, loc % self.page_size
         if self.is_fp8:
             q, s = quantize_fp8_per_block(k)
             data[page, off] = q
             scales[page, off] = s
         else:
-            data[page, off] = k.to(self._data_dtype)
+            data[page, off] = k.to(self.data_dtype)
 
     def get_index_k(self, layer_id: int, loc: torch.Tensor) -> torch.Tensor:
         """Dequantised index K (fp32) for slots `loc` of any shape -> [..., D]."""
-        data, scales = self._views(layer_id)
+        data, scales = self._views(self.get_index_k_buffer(layer_id))
         page, off = loc // self.page_size, loc % self.page_size
         if self.is_fp8:
             return dequantize_fp8_per_block(data[page, off], scales[page, off])
@@ -183,7 +290,7 @@ class NSATokenToKVPool(MLATokenToKVPool):
     # -- page-level moves (HiCache backup/load, PD transfer): raw bytes, layer-checked ------------
     def get_index_k_pages(self, layer_id: int, pages: torch.Tensor) -> torch.Tensor:
         """Raw index-K rows ([n, page_size * bytes_per_token] uint8) of `pages` for a full layer."""
-        return self.index_k_with_scale_buffer[self.index_buffer_id(layer_id)][pages]
+        return self.get_index_k_buffer(layer_id)[pages]
 
     def set_index_k_pages(self, layer_id: int, pages: torch.Tensor, rows: torch.Tensor) -> None:
         buf = self.index_k_with_scale_buffer[self.index_buffer_id(layer_id)]

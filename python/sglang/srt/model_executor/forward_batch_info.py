@@ -3,6 +3,10 @@
 Tokens of all requests are flattened. Every request contributes `extend_seq_lens[i]` new tokens
 on top of `extend_prefix_lens[i]` tokens already in the KV cache; decode is the case where every
 request adds one token. `seq_lens` are the KV lengths after this forward.
+
+All metadata is derived on the host from the scheduler's lists and uploaded in one pinned,
+non-blocking copy (`ForwardBatch.build`); nothing in the forward reads it back. The host lists
+(`*_cpu`) stay available for decisions that need values (sizes, chunking) without a device sync.
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ class CaptureHiddenMode(IntEnum):
     FULL = 2  # every token
 
 
+# Per-token and per-request rows of the packed host buffer, in upload order.
+_TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc", "token_to_req")
+_REQ_FIELDS = ("req_pool_indices", "seq_lens", "extend_prefix_lens", "extend_seq_lens", "extend_start_loc")
+
+
 @dataclass
 class ForwardBatch:
     forward_mode: ForwardMode
@@ -51,6 +60,7 @@ class ForwardBatch:
     extend_seq_lens: torch.Tensor  # [B] new tokens per request
     extend_prefix_lens: torch.Tensor  # [B] cached tokens per request
     extend_start_loc: torch.Tensor  # [B] offset of each request's first token in the flat layout
+    token_to_req: torch.Tensor | None = None  # [T] int64, batch index of each token
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
@@ -76,6 +86,10 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
     @classmethod
     def build(
         cls,
@@ -88,33 +102,34 @@ class ForwardBatch:
         device: str = "cpu",
         **kwargs: Any,
     ) -> "ForwardBatch":
-        """Derive positions, seq lens and offsets from per-request prefix / extend lengths."""
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        starts, acc = [], 0
-        for e in extend_lens:
-            starts.append(acc)
-            acc += e
-        positions = torch.cat(
-            [torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix_lens, extend_lens)]
-        ) if extend_lens else torch.empty(0, dtype=torch.int64)
+        """Derive positions, seq lens, offsets and the token -> request map on the host from
+        per-request prefix / extend lengths, then upload everything in one copy."""
+        b, t = len(extend_lens), sum(extend_lens)
+        ext = torch.tensor(extend_lens, dtype=torch.int64)
+        pre = torch.tensor(prefix_lens, dtype=torch.int64)
+        starts = torch.cumsum(ext, 0) - ext
+        token_to_req = torch.repeat_interleave(torch.arange(b), ext)
+        # position of token i = prefix_len[r] + (i - start[r]), r = token_to_req[i]
+        positions = torch.arange(t) + (pre - starts).repeat_interleave(ext)
         ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids, dtype=torch.int64)
-
-        def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
+        rows = {
+            "input_ids": ids.reshape(-1), "positions": positions, "out_cache_loc": out_cache_loc.reshape(-1),
+            "token_to_req": token_to_req, "req_pool_indices": torch.tensor(req_pool_indices, dtype=torch.int64),
+            "seq_lens": pre + ext, "extend_prefix_lens": pre, "extend_seq_lens": ext, "extend_start_loc": starts,
+        }
+        for name in _TOKEN_FIELDS:
+            if rows[name].numel() != t:
+                raise ValueError(f"{name} has {rows[name].numel()} entries for {t} tokens")
+        packed = torch.cat([rows[n].to("cpu", torch.int64) for n in _TOKEN_FIELDS + _REQ_FIELDS])
+        if torch.device(device).type == "cuda":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        parts = dict(zip(_TOKEN_FIELDS + _REQ_FIELDS, packed.split([t] * 4 + [b] * 5)))
         return cls(
             forward_mode=forward_mode,
-            batch_size=len(extend_lens),
-            input_ids=ids.to(device),
-            positions=positions.to(device),
-            req_pool_indices=t(req_pool_indices),
-            seq_lens=t(seq_lens),
-            out_cache_loc=out_cache_loc.to(device),
-            extend_seq_lens=t(extend_lens),
-            extend_prefix_lens=t(prefix_lens),
-            extend_start_loc=t(starts),
-            seq_lens_cpu=seq_lens,
+            batch_size=b,
+            seq_lens_cpu=[p + e for p, e in zip(prefix_lens, extend_lens)],
             extend_seq_lens_cpu=list(extend_lens),
             extend_prefix_lens_cpu=list(prefix_lens),
+            **parts,
             **kwargs,
         )

@@ -1,4 +1,5 @@
-"""ModelRunner: owns the model, the KV pools and the attention backend; runs one forward."""
+"""ModelRunner: owns the model, the KV pools, the attention backend and the decode CUDA graphs;
+runs one forward."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
-from sglang.srt.layers.attention.nsa.nsa_backend import NativeSparseAttnBackend
+from sglang.srt.layers.attention.attention_registry import create_hybrid_backend
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.moe.fused_moe import set_moe_runner_backend
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, NSATokenToKVPool, ReqToTokenPool
@@ -34,9 +36,20 @@ class ModelRunner:
         self.device = server_args.device
         self.page_size = server_args.page_size
         self.model = get_model(model_config, self.device, tp_group, server_args.load_format)
+        set_moe_runner_backend(self.model, server_args.moe_runner_backend)
         self.sampler = Sampler()
         self.init_memory_pool()
-        self.attn_backend = NativeSparseAttnBackend(self.token_to_kv_pool, server_args.mla_attn_path)
+        self.attn_backend = create_hybrid_backend(server_args.nsa_prefill_backend, server_args.nsa_decode_backend,
+                                                  self)
+        self.cuda_graph_runner = None
+        if self.device == "cuda" and not server_args.disable_cuda_graph:
+            if self.attn_backend.supports_cuda_graph:
+                from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+                self.cuda_graph_runner = CudaGraphRunner(self)
+            else:
+                logger.info("decode runs eagerly: the %s decode backend cannot be captured in CUDA graphs",
+                            server_args.nsa_decode_backend)
 
     # -- memory ---------------------------------------------------------------------------------
     def _make_kv_pool(self, size: int):
@@ -90,9 +103,17 @@ class ModelRunner:
     # -- forward ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        # Host-side bound (the rope table and req_to_token are sized by the context length), so
+        # no layer has to read positions back to check them.
+        if forward_batch.max_seq_len > self.model_config.context_len:
+            raise ValueError(f"sequence length {forward_batch.max_seq_len} exceeds the context length "
+                             f"{self.model_config.context_len}")
+        self.req_to_token_pool.flush_writes()
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.token_to_kv_pool
         forward_batch.attn_backend = self.attn_backend
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+            return self.cuda_graph_runner.replay(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

@@ -113,7 +113,7 @@ class _NextNMixin:
         return name.endswith("rotary_emb.inv_freq")
 
     def post_load_weights(self) -> None:
-        self.model.decoder.self_attn._absorbed = None
+        self.model.decoder.self_attn.post_load_weights()
 
 
 class DeepseekV3ForCausalLMNextN(_NextNMixin, DeepseekV2ForCausalLM):

@@ -38,6 +38,7 @@ from sglang.srt.layers.linear import (
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.moe.topk import TopKConfig, select_experts
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, yarn_softmax_scale_multiplier
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -149,6 +150,8 @@ class DeepseekV2AttentionMLA(nn.Module):
         mpe = getattr(config, "max_position_embeddings", max_position)
         self.rotary_emb = RotaryEmbedding(self.qk_rope_head_dim, max_position, rope_params, interleaved=True,
                                           max_position_embeddings=mpe)
+        self.attn = RadixAttention(layer_id, self.num_local_heads, self.qk_nope_head_dim, self.qk_rope_head_dim,
+                                   self.v_head_dim, self.kv_lora_rank, self.scaling)
         self.indexer = None
         if index_role.has_indexer:
             if not self.q_lora_rank:
@@ -157,15 +160,9 @@ class DeepseekV2AttentionMLA(nn.Module):
                                        interleaved=indexer_rope_interleaved, max_position_embeddings=mpe)
             self.indexer = Indexer(self.hidden_size, self.q_lora_rank, config.index_n_heads, config.index_head_dim,
                                    self.qk_rope_head_dim, config.index_topk, layer_id, idx_rope, dtype=dtype)
-        self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w_kc [H, nope, kv_lora], w_vc [H, v, kv_lora]) views of kv_b_proj, built after loading."""
-        if self._absorbed is None:
-            w = self.kv_b_proj.weight.view(self.num_local_heads, self.qk_nope_head_dim + self.v_head_dim,
-                                           self.kv_lora_rank)
-            self._absorbed = (w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :])
-        return self._absorbed
+    def post_load_weights(self) -> None:
+        self.attn.set_kv_b_proj(self.kv_b_proj.weight)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch,
                 prev_topk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -189,10 +186,9 @@ class DeepseekV2AttentionMLA(nn.Module):
         topk_indices = prev_topk_indices
         if self.indexer is not None and not (self.skip_topk and prev_topk_indices is not None):
             topk_indices = self.indexer(hidden_states, q_lora, positions, forward_batch)
-        elif topk_indices is not None and nsa_utils.DEBUG_CHECKS:
+        elif topk_indices is not None and nsa_utils.debug_checks_active():
             nsa_utils.assert_topk_matches_batch(topk_indices, forward_batch, self.layer_id)
-        attn = forward_batch.attn_backend.forward_mla(
-            self, q_nope, q_rope, latent, k_rope, forward_batch, topk_indices=topk_indices)
+        attn = self.attn(q_nope, q_rope, latent, k_rope, forward_batch, topk_indices)
         out = self.o_proj(attn.reshape(t, self.num_local_heads * self.v_head_dim))
         return out, topk_indices if self.next_skip_topk else None
 
@@ -404,7 +400,7 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     def post_load_weights(self) -> None:
         for layer in self.model.layers:
-            layer.self_attn._absorbed = None
+            layer.self_attn.post_load_weights()
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
+
+from sglang.srt.distributed.parallel_state import SINGLE_GROUP
 
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
@@ -24,3 +28,14 @@ def prefill_all_logits(model_runner, prompts: list[list[int]], **forward_batch_k
     mr.token_to_kv_pool_allocator.free(loc)
     mr.req_to_token_pool.free(slots)
     return list(logits.split(lens))
+
+
+def backend_harness(pool, req_to_token_pool, *, num_heads: int = 1, index_heads: int = 0, index_topk: int = 0,
+                    context_len: int | None = None, mla_attn_path: str = "auto", device: str = "cpu"):
+    """The parts of a ModelRunner an attention backend reads, for kernel-level tests without a model."""
+    is_dsa = bool(index_topk)
+    mc = SimpleNamespace(context_len=context_len or req_to_token_pool.max_context_len, num_attention_heads=num_heads,
+                         kv_lora_rank=pool.kv_lora_rank, is_dsa=is_dsa, index_topk=index_topk,
+                         index_n_heads=index_heads)
+    return SimpleNamespace(model_config=mc, token_to_kv_pool=pool, req_to_token_pool=req_to_token_pool,
+                           device=device, tp_group=SINGLE_GROUP, server_args=SimpleNamespace(mla_attn_path=mla_attn_path))

@@ -5,8 +5,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang.srt.layers.attention.nsa.nsa_backend import NativeSparseAttnBackend, build_nsa_metadata, topk_to_mask
-from sglang.srt.layers.attention.nsa.nsa_indexer import compute_topk, index_score_dtype, index_scores
+from sglang.srt.layers.attention.attention_registry import create_attn_backend
+from sglang.srt.layers.attention.nsa.nsa_backend import topk_to_mask
+from sglang.srt.layers.attention.nsa.nsa_indexer import index_score_dtype, index_scores
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.attention.nsa.quant import (
     FP8_E4M3_MAX,
     dequantize_fp8_per_block,
@@ -17,6 +19,9 @@ from sglang.srt.layers.attention.nsa.quant import (
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.testing.runner_utils import backend_harness
+
+BACKENDS = ["torch", "triton"]
 
 # e4m3 keeps 3 mantissa bits: round-to-nearest is off by at most 1/16 of the value (normal
 # range); below 2^-6 * scale the grid is uniform with step 2^-9 * scale.
@@ -86,7 +91,8 @@ def test_bf16_scoring_of_fp8_index_k_keeps_the_top_k():
 
 
 # -- top-k selection -------------------------------------------------------------------------------
-def _setup(lens_prefix, lens_extend, page_size, index_k_dtype="float32", d=64, seed=0):
+def _setup(lens_prefix, lens_extend, page_size, index_k_dtype="float32", d=64, seed=0, backend="torch", topk=16,
+           heads=16):
     g = torch.Generator().manual_seed(seed)
     size = 1024
     pool = NSATokenToKVPool(size, page_size, torch.float32, 16, 8, 1, d, index_k_dtype)
@@ -103,12 +109,20 @@ def _setup(lens_prefix, lens_extend, page_size, index_k_dtype="float32", d=64, s
         off += n
     keys = [torch.randn(n, d, generator=g) for n in seq]
     for s, kk, n in zip(slots, keys, seq):
-        pool.set_index_k(0, r2t.req_to_token[s, :n], kk)
+        pool.set_index_k(0, r2t.req_to_token[s, :n].long(), kk)
     mode = ForwardMode.DECODE if all(e == 1 for e in lens_extend) else ForwardMode.EXTEND
     fb = ForwardBatch.build(mode, [0] * sum(lens_extend), slots, lens_prefix, lens_extend, torch.cat(new_loc))
-    fb.req_to_token_pool, fb.token_to_kv_pool = r2t, pool
-    md = build_nsa_metadata(fb)
-    return pool, fb, md, keys, g
+    be = create_attn_backend(backend, backend_harness(pool, r2t, index_heads=heads, index_topk=topk))
+    fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, pool, be
+    be.init_forward_metadata(fb)
+    return pool, fb, be, keys, g
+
+
+class _IndexerSpec:
+    """What a backend reads of the Indexer module."""
+
+    def __init__(self, topk: int, scale: float = 0.125, layer_id: int = 0) -> None:
+        self.index_topk, self.softmax_scale, self.layer_id = topk, scale, layer_id
 
 
 def _reference_topk(q, w, keys, lens_prefix, lens_extend, topk, scale):
@@ -123,33 +137,37 @@ def _reference_topk(q, w, keys, lens_prefix, lens_extend, topk, scale):
     return out
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("lens", [([0, 0, 5], [50, 9, 40]), ([30, 64, 3], [1, 1, 1]), ([20, 0], [25, 70])])
-def test_topk_equals_dense_masked_reference(page_size, lens):
+def test_topk_equals_dense_masked_reference(page_size, lens, backend):
+    """Each backend's index_topk keeps exactly the reference's top-k set, in ascending order,
+    -1 padded, for extend and decode batches with cached prefixes and short requests."""
     prefix, extend = lens
     topk = 16
-    pool, fb, md, keys, g = _setup(prefix, extend, page_size)
+    pool, fb, be, keys, g = _setup(prefix, extend, page_size, backend=backend, topk=topk)
     t = sum(extend)
     # 16 heads: a key whose ReLU scores are all zero (an exact tie) is a 2^-16 event.
     q, w = torch.randn(t, 16, 64, generator=g), torch.randn(t, 16, generator=g)
-    got = compute_topk(0, q, w, 0.125, topk, pool, md, fb.positions, fb.forward_mode.is_decode())
+    got = be.index_topk(_IndexerSpec(topk), q, w, fb)
     ref = _reference_topk(q, w, keys, prefix, extend, topk, 0.125)
     assert got.shape == (t, topk) and got.dtype == torch.int32
     for row, expect in zip(got, ref):
         sel = row[row >= 0].tolist()
-        assert len(sel) == len(set(sel)) and set(sel) == expect
+        assert sel == sorted(expect) and bool((row[len(sel):] == -1).all())
 
 
-def test_decode_and_extend_paths_select_the_same():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_and_extend_paths_select_the_same(backend):
     """The last token of an extend and the same token as a decode step pick identical keys."""
     topk = 8
-    pool, fb, md, keys, g = _setup([0], [40], 1)
+    pool, fb, be, keys, g = _setup([0], [40], 1, backend=backend, topk=topk, heads=4)
     q, w = torch.randn(40, 4, 64, generator=g), torch.randn(40, 4, generator=g)
-    ext = compute_topk(0, q, w, 0.125, topk, pool, md, fb.positions, False)[-1]
-    pool2, fb2, md2, _, _ = _setup([39], [1], 1)
-    pool2.set_index_k(0, md2.kv_indices[0], keys[0])
-    dec = compute_topk(0, q[-1:], w[-1:], 0.125, topk, pool2, md2, fb2.positions, True)[0]
-    assert set(ext.tolist()) == set(dec.tolist())
+    ext = be.index_topk(_IndexerSpec(topk), q, w, fb)[-1]
+    pool2, fb2, be2, _, _ = _setup([39], [1], 1, backend=backend, topk=topk, heads=4)
+    pool2.set_index_k(0, fb2.req_to_token_pool.read(fb2.req_pool_indices[0].item(), 40), keys[0])
+    dec = be2.index_topk(_IndexerSpec(topk), q[-1:], w[-1:], fb2)[0]
+    assert ext.tolist() == dec.tolist()
 
 
 def test_topk_to_mask():
@@ -158,34 +176,25 @@ def test_topk_to_mask():
     assert m.tolist() == [[True, False, False, True, False], [False, False, True, False, False]]
 
 
-class _Layer(torch.nn.Module):
-    """Minimal MLA layer view the backend needs."""
-
-    def __init__(self, h=2, nope=8, rope=8, v=8, c=16, seed=0):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.layer_id, self.num_local_heads = 0, h
-        self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank = nope, v, c
-        self.scaling = (nope + rope) ** -0.5
-        self.kv_b_proj = torch.nn.Linear(c, h * (nope + v), bias=False)
-        self.kv_b_proj.weight.data = torch.randn(h * (nope + v), c, generator=g) * 0.3
-
-    def absorbed_weights(self):
-        w = self.kv_b_proj.weight.view(self.num_local_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
-        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+def _layer(h=2, nope=8, rope=8, v=8, c=16, seed=0) -> RadixAttention:
+    g = torch.Generator().manual_seed(seed)
+    layer = RadixAttention(0, h, nope, rope, v, c, (nope + rope) ** -0.5)
+    layer.set_kv_b_proj(torch.randn(h * (nope + v), c, generator=g) * 0.3)
+    return layer
 
 
-@pytest.mark.parametrize("mla_path", ["plain", "absorbed", "auto"])
+@pytest.mark.parametrize("mla_path", ["plain", "absorbed", "auto", "triton"])
 @pytest.mark.parametrize("decode", [False, True])
 def test_sparse_attention_equals_masked_dense_reference(mla_path, decode, monkeypatch):
     """Attending over the selected keys only == dense softmax with unselected keys masked.
     plain = dense masked MHA; absorbed / auto = the selected latents gathered per query (in
-    query chunks: the block size is shrunk so the 20-query request spans several)."""
+    query chunks: the block size is shrunk so the 20-query request spans several); triton = the
+    sparse MLA kernel (split-K in decode)."""
     from sglang.srt.layers.attention.nsa import nsa_backend
 
     monkeypatch.setattr(nsa_backend, "SCORE_BLOCK_ELEMS", 2 * 6 * 7)  # 7 queries per chunk
     g = torch.Generator().manual_seed(3)
-    layer = _Layer()
+    layer = _layer()
     prefix, extend = ([30, 12], [1, 1]) if decode else ([0, 10], [20, 9])
     seq = [p + e for p, e in zip(prefix, extend)]
     pool = NSATokenToKVPool(256, 1, torch.float32, 16, 8, 1, 16, "float32")
@@ -202,8 +211,11 @@ def test_sparse_attention_equals_masked_dense_reference(mla_path, decode, monkey
         off += n
     mode = ForwardMode.DECODE if decode else ForwardMode.EXTEND
     fb = ForwardBatch.build(mode, [0] * sum(extend), slots, prefix, extend, torch.cat(new))
-    fb.req_to_token_pool, fb.token_to_kv_pool = r2t, pool
-    fb.attn_metadata = build_nsa_metadata(fb)
+    name = "triton" if mla_path == "triton" else "torch"
+    backend = create_attn_backend(name, backend_harness(pool, r2t, num_heads=2, mla_attn_path=mla_path if name ==
+                                                        "torch" else "auto"))
+    fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, pool, backend
+    backend.init_forward_metadata(fb)
     t = sum(extend)
     q_nope, q_rope = torch.randn(t, 2, 8, generator=g), torch.randn(t, 2, 8, generator=g)
     topk = torch.full((t, 6), -1, dtype=torch.int32)
@@ -213,12 +225,11 @@ def test_sparse_attention_equals_masked_dense_reference(mla_path, decode, monkey
             cand = torch.randperm(p + j + 1, generator=g)[:6]
             topk[row, : len(cand)] = cand.to(torch.int32)
             row += 1
-    backend = NativeSparseAttnBackend(pool, mla_path)
     lat_new = torch.cat([lat[p:] for lat, p in zip(latents, prefix)])
     rope_new = torch.cat([rp[p:] for rp, p in zip(ropes, prefix)])
-    out = backend.forward_mla(layer, q_nope, q_rope, lat_new, rope_new, fb, topk_indices=topk)
+    out = backend.forward_mla(q_nope, q_rope, lat_new, rope_new, layer, fb, topk_indices=topk)
 
-    w_kc, w_vc = layer.absorbed_weights()
+    w_kc, w_vc = layer.w_kc, layer.w_vc
     row = 0
     for lat, rp, p, e in zip(latents, ropes, prefix, extend):
         k_nope = torch.einsum("lc,hnc->lhn", lat, w_kc)

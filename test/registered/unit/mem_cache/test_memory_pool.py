@@ -38,7 +38,9 @@ def nsa(size=64, page_size=16, layer_num=3, index_head_dim=128, index_k_dtype="f
 
 def test_req_to_token_pool_alloc_free():
     pool = ReqToTokenPool(4, 16)
-    assert pool.req_to_token.shape == (4, 16) and pool.req_to_token.dtype == torch.int64
+    # one extra all-zero row: the padding slot CUDA-graph padding rows point at
+    assert pool.req_to_token.shape == (5, 16) and pool.req_to_token.dtype == torch.int32
+    assert pool.padding_slot == 4
     assert pool.available_size() == 4
     a = pool.alloc(3)
     assert len(a) == 3 and len(set(a)) == 3 and all(0 <= i < 4 for i in a)
@@ -94,6 +96,65 @@ def test_req_to_token_pool_write_and_clear():
     pool.alloc(2)
     pool.clear()
     assert pool.available_size() == 3 and sorted(pool.free_slots) == [0, 1, 2]
+
+
+def test_req_to_token_host_mirror_and_batched_device_writes():
+    """The scheduler writes and reads the host mirror; a device table (emulated here by a separate
+    tensor) receives all queued writes in one flush, and nothing before it."""
+    pool = ReqToTokenPool(3, 10)
+    pool.req_to_token = torch.zeros_like(pool.req_to_token_cpu)  # "the device copy"
+    a, b = pool.alloc(2)
+    pool.write(a, 0, torch.tensor([5, 6, 7]))
+    pool.write(b, 2, torch.tensor([9], dtype=torch.int64))
+    pool.write(a, 3, torch.tensor([8]))
+    assert pool.read(a, 4).tolist() == [5, 6, 7, 8] and pool.last_loc(b, 3) == 9 and pool.last_loc(b, 0) == -1
+    assert pool.req_to_token.eq(0).all()  # not flushed yet
+    pool.flush_writes()
+    assert torch.equal(pool.req_to_token, pool.req_to_token_cpu)
+    assert pool.req_to_token[pool.padding_slot].eq(0).all()
+    pool.flush_writes()  # nothing pending: a no-op
+    assert torch.equal(pool.req_to_token, pool.req_to_token_cpu)
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.waited: list[int] = []
+
+    def wait_until(self, layer_id: int) -> None:
+        self.waited.append(layer_id)
+
+
+def test_every_kv_reader_waits_for_its_layer():
+    """HiCache's layer-wise load hook: every accessor that reads a layer's KV (MLA and index K,
+    the raw buffers kernels get included) consults the layer transfer counter first."""
+    pool = nsa(layer_num=3, index_layer_ids=[0, 2])
+    counter = _Counter()
+    pool.register_layer_transfer_counter(counter)
+    loc, pages = torch.tensor([17, 18]), torch.tensor([1, 2])
+    readers = {
+        "get_key_buffer": lambda: pool.get_key_buffer(2),
+        "get_mla_kv": lambda: pool.get_mla_kv(2, loc),
+        "get_kv_pages": lambda: pool.get_kv_pages(2, pages),
+        "get_index_k_buffer": lambda: pool.get_index_k_buffer(2),
+        "get_index_k": lambda: pool.get_index_k(2, loc),
+        "get_index_k_pages": lambda: pool.get_index_k_pages(2, pages),
+    }
+    public_getters = {n for n in dir(pool) if n.startswith("get_") and n not in ("get_kv_size_bytes",)}
+    assert public_getters == set(readers), "a new getter must be added here (and must wait)"
+    for name, read in readers.items():
+        counter.waited.clear()
+        read()
+        assert counter.waited == [2], name
+
+
+def test_kv_pages_round_trip():
+    pool = nsa(size=64, page_size=16, layer_num=2)
+    data = torch.randn(2, 16, RANK + ROPE).to(pool.dtype)
+    pool.set_kv_pages(1, torch.tensor([1, 3]), data)
+    assert torch.equal(pool.get_kv_pages(1, torch.tensor([3, 1])), data.flip(0))
+    assert pool.get_kv_pages(0, torch.tensor([1, 3])).eq(0).all()
+    with pytest.raises(ValueError, match="MLA pages"):
+        pool.set_kv_pages(1, torch.tensor([1]), data)
 
 
 # -- MLATokenToKVPool ------------------------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""FusedMoE: stacked expert weights + a dispatcher + the expert kernel."""
+"""FusedMoE: stacked expert weights + a dispatcher + the expert runner.
+
+Runners (--moe-runner-backend): "torch" loops over the routed experts on the host
+(fused_moe_native; the reference, and the CPU path), "triton" runs sgl_kernel.moe.fused_experts
+(on-device token->expert alignment and two grouped GEMMs; no host sync, graph-capturable).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,13 @@ from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
 from sglang.srt.layers.moe.fused_moe_native import fused_experts_native
 from sglang.srt.layers.moe.token_dispatcher import BaseDispatcher, StandardDispatcher
 from sglang.srt.layers.moe.topk import TopKOutput
+
+
+def set_moe_runner_backend(model: nn.Module, name: str) -> None:
+    """Choose the expert runner of every FusedMoE in `model` (resolved name)."""
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            m.runner_backend = name
 
 
 class FusedMoE(nn.Module):
@@ -36,6 +48,7 @@ class FusedMoE(nn.Module):
         self.tp_group = tp_group
         self.expert_offset = 0
         self.dispatcher = dispatcher or StandardDispatcher()
+        self.runner_backend = "torch"
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * self.local_inter, hidden_size, dtype=dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(
@@ -73,7 +86,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         d = self.dispatcher.dispatch(hidden_states, topk)
-        out = fused_experts_native(
-            d.hidden_states, self.w13_weight, self.w2_weight, d.topk.topk_weights, d.topk.topk_ids,
-            self.expert_offset)
+        if self.runner_backend == "triton":
+            from sgl_kernel.moe import fused_experts
+        else:
+            fused_experts = fused_experts_native
+        out = fused_experts(d.hidden_states, self.w13_weight, self.w2_weight, d.topk.topk_weights,
+                            d.topk.topk_ids, self.expert_offset)
         return self.dispatcher.combine(out, d)

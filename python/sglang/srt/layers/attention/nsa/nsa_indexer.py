@@ -2,10 +2,15 @@
 
     score[s, t] = sum_h w[s, h] * relu(q[s, h] . k[t] * D^-0.5),   w = weights_proj(x) * H^-0.5
 
-Index K lives in the NSA pool (FP8 + scales by default). In the FP8 mode q and k are Hadamard
-rotated before quantisation and q is quantised too, as the DeepSeek kernels do; the exact modes
-(bf16 / fp32 index K) skip both, which is what the transformers reference computes.
-Requests whose KV length is at most `index_topk` skip scoring: every causal token is selected.
+This module owns the projections (q from the q LoRA, k from the hidden state, rope, and in the FP8
+mode the Hadamard rotation DeepSeek applies before quantising); the attention backend owns the
+index-K cache access, the scoring kernels and the top-k (`store_index_k`, `index_topk`), because
+it owns the batch metadata. The helpers below define the scoring math both backends follow.
+
+Top-k semantics (one rule, `sgl_kernel.topk.fast_topk_ref`): each row's top index_topk causal
+positions in ascending order, -1 padded; ties keep the lower position, so the selection depends
+only on the row's own scores -- never on the batch it was computed in. A row no longer than
+index_topk keeps all its causal positions without scoring.
 """
 
 from __future__ import annotations
@@ -13,8 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang.srt.layers.attention.nsa.nsa_backend import query_chunk
-from sglang.srt.layers.attention.nsa.quant import fp8_round_trip, hadamard_rotate
+from sglang.srt.layers.attention.nsa.quant import hadamard_rotate, quantize_fp8_per_block
 from sglang.srt.layers.layernorm import LayerNorm
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
@@ -57,30 +61,27 @@ class Indexer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor | None:
-        """Stores this step's index K and returns top-k positions [T, index_topk] (int32, -1
-        padded), or None when no request in the batch is longer than index_topk."""
-        pool = forward_batch.token_to_kv_pool
+    ) -> torch.Tensor:
+        """Stores this step's index K and returns top-k positions [T, index_topk] (int32, -1 padded)."""
         q, k = self._project(x, q_lora, positions)
-        fp8 = pool.is_fp8
-        rotate = fp8 and not (self.head_dim & (self.head_dim - 1))
-        if rotate:
+        fp8 = forward_batch.token_to_kv_pool.is_fp8
+        if fp8 and not (self.head_dim & (self.head_dim - 1)):
             q, k = hadamard_rotate(q), hadamard_rotate(k)
-        pool.set_index_k(self.layer_id, forward_batch.out_cache_loc, k)
-
-        md = forward_batch.attn_metadata
-        if not md.seq_lens or max(md.seq_lens) <= self.index_topk:
-            return None
+        backend = forward_batch.attn_backend
+        backend.store_index_k(self.layer_id, k, forward_batch)
         weights = self.weights_proj(x.float()) * self.n_heads**-0.5  # [T, H] fp32
-        qf = fp8_round_trip(q) if fp8 else q.float()
-        return compute_topk(self.layer_id, qf, weights, self.softmax_scale, self.index_topk, pool, md,
-                            positions, forward_batch.forward_mode.is_decode())
+        return backend.index_topk(self, q, weights, forward_batch)
+
+
+def causal_topk(positions: torch.Tensor, topk: int) -> torch.Tensor:
+    """Every causal position of each token (rows no longer than topk): [T, topk] int32, -1 padded."""
+    ar = torch.arange(topk, device=positions.device, dtype=torch.int32)
+    return torch.where(ar[None, :] <= positions[:, None], ar[None, :], -1)
 
 
 def index_score_dtype(pool, device: torch.device) -> torch.dtype:
-    """The scoring matmul's input dtype. FP8 index K on a GPU scores in bf16 (tensor cores; fp32
-    accumulation, bf16 output), as the FP8 kernels do in fp8: its rounding (2^-9 relative) is far
-    below the FP8 quantisation it follows. Exact modes, and any CPU run, score in fp32."""
+    """The reference scoring matmul's input dtype. FP8 index K on a GPU scores in bf16 (tensor
+    cores; fp32 accumulation): FP8 values are exact in bf16. Exact modes and CPU score in fp32."""
     return torch.bfloat16 if pool.is_fp8 and device.type == "cuda" else torch.float32
 
 
@@ -94,37 +95,12 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softma
     return torch.matmul(w.unsqueeze(1), scores).squeeze(1).float()
 
 
-def compute_topk(layer_id: int, q: torch.Tensor, weights: torch.Tensor, softmax_scale: float, topk: int,
-                 pool, md, positions: torch.Tensor, is_decode: bool) -> torch.Tensor:
-    """Top-k request-local positions per query token, all causal-valid; -1 where fewer exist."""
-    t = q.shape[0]
-    q = q.to(index_score_dtype(pool, q.device))
-    out = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
-    ar = torch.arange(topk, device=q.device, dtype=torch.int32)
-    if is_decode:
-        # One query per request: score the padded [B, Lmax] batch at once.
-        lmax = md.kv_indices_padded.shape[1]
-        kk = pool.get_index_k(layer_id, md.kv_indices_padded)  # [B, L, D]
-        scores = index_scores(q, kk, weights, softmax_scale).masked_fill(~md.kv_valid, float("-inf"))
-        k_eff = min(topk, lmax)
-        vals, idx = scores.topk(k_eff, dim=-1)
-        out[:, :k_eff] = torch.where(torch.isinf(vals), -1, idx).to(torch.int32)
-        return out
-    for i, (s, e, L) in enumerate(zip(md.starts, md.extend_lens, md.seq_lens)):
-        if e == 0:
-            continue
-        if L <= topk:
-            # Short request: no scoring, every causal token (indices stay causal-valid, as sparse
-            # kernels expect: they apply no causal mask of their own).
-            pos = positions[s : s + e, None]
-            out[s : s + e] = torch.where(ar[None, :] <= pos, ar[None, :], -1)
-            continue
-        kk = pool.get_index_k(layer_id, md.kv_indices[i])[None].to(q.dtype)  # [1, L, D]
-        keys = torch.arange(L, device=q.device)[None, :]
-        step = query_chunk(q.shape[1], L, q.device)
-        for c in range(s, s + e, step):
-            rows = slice(c, min(c + step, s + e))
-            scores = index_scores(q[rows], kk, weights[rows], softmax_scale)
-            vals, idx = scores.masked_fill(keys > positions[rows, None], float("-inf")).topk(topk, dim=-1)
-            out[rows] = torch.where(torch.isinf(vals), -1, idx).to(torch.int32)
-    return out
+def fold_fp8_query(q: torch.Tensor, weights: torch.Tensor, softmax_scale: float,
+                   compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 mode for the scoring kernels: quantise q per (token, head) like the index K (one scale
+    per vector, index_head_dim <= 128) and fold that scale and the softmax scale into the head
+    weights, so the kernel multiplies FP8 values exactly. Returns (q8 values, folded w fp32)."""
+    if q.shape[-1] > 128:
+        raise ValueError("the FP8 indexer kernel needs index_head_dim <= 128 (one scale per vector)")
+    q8, qs = quantize_fp8_per_block(q)
+    return q8.to(compute_dtype), weights.float() * softmax_scale * qs[..., 0]

@@ -11,6 +11,11 @@ from sglang.srt.utils.common import get_bool_env
 DEBUG_CHECKS = get_bool_env("SGLANG_DEBUG_CHECKS")
 
 
+def debug_checks_active() -> bool:
+    """SGLANG_DEBUG_CHECKS, but never inside a CUDA-graph capture (the checks read values back)."""
+    return DEBUG_CHECKS and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 class StaleTopkError(RuntimeError):
     pass
 

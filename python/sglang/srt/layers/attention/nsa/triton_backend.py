@@ -1,0 +1,198 @@
+"""NSA backend on the Triton kernels of sgl_kernel ("triton"): the GPU serving path.
+
+Per layer: KV store (one kernel), q absorption (one bmm), sparse or dense-causal MLA over the paged
+latent cache (sgl_kernel.sparse_mla; split-K + combine in decode), output projection (one bmm).
+Indexer: index-K store (quantise + scale write, one kernel), scores over the paged FP8 index K
+with head weights, ReLU and head sum fused (sgl_kernel.indexer), then a length-aware, tie-stable
+top-k (sgl_kernel.topk). All metadata comes from the ForwardBatch and host lists; decode is
+CUDA-graph capturable (scores width = context length, fixed split-K chunking).
+
+Equivalence with the torch twin (NativeSparseAttnBackend) is tested on CPU under Triton's
+interpreter, kernel by kernel and through the whole model against transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.attention.nsa.nsa_indexer import causal_topk, fold_fp8_query
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+# Scores of one extend chunk ([tokens, width] fp32) stay within this many bytes.
+CPU_SCORE_BUDGET = 2**26
+CUDA_SCORE_BUDGET_MAX = 2**31
+INDEX_ROWS_PER_BLOCK = 128  # token block x index heads: the M of the scoring matmul
+BLOCK_N = 32
+
+
+@dataclass
+class TritonNSAMetadata:
+    req_to_token: torch.Tensor  # device [slots + 1, context] int32
+    score_width: int  # W of the index score buffer (> every position in the batch)
+    index_blocks: torch.Tensor  # int32 [NB, 2]: (first token, count) blocks of one request
+    block_t: int
+    # extend: (token start, token end, first block, end block) per score chunk
+    chunks: list[tuple[int, int, int, int]]
+    split: bool = False  # decode: split-K attention
+    partial: tuple[torch.Tensor, torch.Tensor] | None = None  # preallocated split-K buffers
+
+
+class TritonNSABackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, model_runner) -> None:
+        mc = model_runner.model_config
+        self.pool = model_runner.token_to_kv_pool
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.device = model_runner.device
+        self.context_len = mc.context_len
+        self.num_heads = mc.num_attention_heads // model_runner.tp_group.world_size
+        self.kv_lora_rank = mc.kv_lora_rank
+        self.topk_width = mc.index_topk if mc.is_dsa else 0
+        self.index_heads = mc.index_n_heads if mc.is_dsa else 0
+        from sgl_kernel.sparse_mla import split_keys_for
+
+        # Decode split-K: a fixed chunking of a token's keys (batch-invariant results).
+        self.max_keys = self.topk_width if mc.is_dsa else self.context_len
+        self.split_keys = split_keys_for(self.max_keys, BLOCK_N)
+        self.num_splits = -(-self.max_keys // self.split_keys)
+        self._graph_md: dict[int, TritonNSAMetadata] = {}
+        self._graph_partial: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._graph_blocks: torch.Tensor | None = None
+
+    # -- metadata ---------------------------------------------------------------------------------
+    def _block_t(self) -> int:
+        return max(1, INDEX_ROWS_PER_BLOCK // max(self.index_heads, 1))
+
+    def _score_budget(self) -> int:
+        if torch.device(self.device).type != "cuda":
+            return CPU_SCORE_BUDGET
+        # A fresh reading each prefill: free device memory plus what the caching allocator holds.
+        free, _ = torch.cuda.mem_get_info()
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        return int(min(CUDA_SCORE_BUDGET_MAX, (free + cached) // 4))
+
+    def _decode_metadata(self, bs: int, width: int, blocks: torch.Tensor) -> TritonNSAMetadata:
+        return TritonNSAMetadata(self.req_to_token_pool.req_to_token, width, blocks, 1, [], split=True)
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        width = max(fb.max_seq_len, 1)
+        if fb.forward_mode.is_decode():
+            bs = fb.batch_size
+            blocks = torch.stack([torch.arange(bs, device=fb.positions.device),
+                                  torch.ones(bs, dtype=torch.int64, device=fb.positions.device)], 1).int()
+            fb.attn_metadata = self._decode_metadata(bs, width, blocks)
+            return
+        fb.attn_metadata = self._extend_metadata(fb, width)
+
+    def _extend_metadata(self, fb: ForwardBatch, width: int) -> TritonNSAMetadata:
+        """Token blocks for the index scores, grouped into chunks whose [tokens, width] score buffer
+        fits the memory budget. Blocks whose rows are no longer than index_topk are left out: their
+        top-k is every causal key, no score needed."""
+        block_t = self._block_t()
+        chunk = max(block_t, self._score_budget() // (4 * width))
+        blocks: list[tuple[int, int]] = []
+        chunks: list[tuple[int, int, int, int]] = []
+        t_total = fb.num_tokens
+        starts, acc = [], 0
+        for e in fb.extend_seq_lens_cpu:
+            starts.append(acc)
+            acc += e
+        for cs in range(0, t_total, chunk):
+            ce = min(cs + chunk, t_total)
+            b0 = len(blocks)
+            if self.topk_width:
+                for s, e, p in zip(starts, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu):
+                    lo, hi = max(s, cs), min(s + e, ce)
+                    for t0 in range(lo, hi, block_t):
+                        n = min(block_t, hi - t0)
+                        if p + (t0 - s) + n > self.topk_width:  # last row longer than index_topk
+                            blocks.append((t0, n))
+            chunks.append((cs, ce, b0, len(blocks)))
+        table = torch.tensor(blocks, dtype=torch.int32).reshape(-1, 2).to(fb.positions.device, non_blocking=True)
+        return TritonNSAMetadata(self.req_to_token_pool.req_to_token, width, table, block_t, chunks)
+
+    # -- CUDA graphs (decode) -----------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        dev = self.req_to_token_pool.req_to_token.device
+        n = max_bs * self.num_heads * self.num_splits
+        self._graph_partial = (torch.empty(n * self.kv_lora_rank, dtype=torch.float32, device=dev),
+                               torch.empty(n, dtype=torch.float32, device=dev))
+        ar = torch.arange(max_bs, device=dev, dtype=torch.int32)
+        self._graph_blocks = torch.stack([ar, torch.ones_like(ar)], 1)
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        bs = forward_batch.batch_size
+        md = self._decode_metadata(bs, self.context_len, self._graph_blocks[:bs])
+        md.partial = self._graph_partial
+        self._graph_md[bs] = md
+        forward_batch.attn_metadata = md
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        # Everything the captured kernels read lives in the graph's static ForwardBatch buffers
+        # and in the preallocated partials: nothing to refresh.
+        forward_batch.attn_metadata = self._graph_md[forward_batch.batch_size]
+
+    # -- attention --------------------------------------------------------------------------------
+    def forward_mla(self, q_nope, q_rope, latent, k_rope, layer, forward_batch: ForwardBatch, topk_indices=None,
+                    save_kv_cache: bool = True) -> torch.Tensor:
+        from sgl_kernel.kv_store import store_mla_kv
+        from sgl_kernel.sparse_mla import mla_attention
+
+        fb = forward_batch
+        md: TritonNSAMetadata = fb.attn_metadata
+        if save_kv_cache:
+            store_mla_kv(self.pool.kv_buffer[layer.layer_id], fb.out_cache_loc, latent, k_rope)
+        q_lat = layer.absorb_q(q_nope)
+        split = md.split
+        o_lat = mla_attention(
+            q_lat, q_rope, self.pool.get_key_buffer(layer.layer_id), layer.kv_lora_rank, md.req_to_token,
+            fb.req_pool_indices, fb.token_to_req, fb.positions, topk_indices, layer.scaling,
+            split_keys=self.split_keys if split else 0,
+            max_keys=(topk_indices.shape[1] if topk_indices is not None else md.score_width) if split else 0,
+            partial=md.partial, block_n=BLOCK_N)
+        return layer.project_out(o_lat)
+
+    # -- DSA indexer --------------------------------------------------------------------------------
+    def store_index_k(self, layer_id: int, k: torch.Tensor, forward_batch: ForwardBatch) -> None:
+        from sgl_kernel.kv_store import store_index_k
+
+        buf = self.pool.index_k_with_scale_buffer[self.pool.index_buffer_id(layer_id)]
+        store_index_k(buf, forward_batch.out_cache_loc, k, self.pool.page_size, self.pool.data_dtype)
+
+    def _score_inputs(self, indexer, q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = torch.float32 if q.dtype == torch.float32 else torch.bfloat16
+        if self.pool.is_fp8:
+            return fold_fp8_query(q, weights, indexer.softmax_scale, dtype)
+        return q.to(dtype).contiguous(), (weights.float() * indexer.softmax_scale).contiguous()
+
+    def index_topk(self, indexer, q: torch.Tensor, weights: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        from sgl_kernel.indexer import index_scores
+        from sgl_kernel.topk import fast_topk
+
+        fb = forward_batch
+        md: TritonNSAMetadata = fb.attn_metadata
+        k_top = indexer.index_topk
+        decode = fb.forward_mode.is_decode()
+        if not decode and not md.index_blocks.shape[0]:
+            return causal_topk(fb.positions, k_top)  # host-known: no row longer than index_topk
+        qk, w = self._score_inputs(indexer, q, weights)
+        buf = self.pool.get_index_k_buffer(indexer.layer_id)
+        common = dict(index_k_buffer=buf, page_size=self.pool.page_size, data_dtype=self.pool.data_dtype,
+                      req_to_token=md.req_to_token, req_pool_indices=fb.req_pool_indices,
+                      token_to_req=fb.token_to_req, positions=fb.positions, skip_below=k_top, block_n=BLOCK_N)
+        lengths = fb.positions + 1
+        if decode:
+            scores = torch.empty(qk.shape[0], md.score_width, dtype=torch.float32, device=qk.device)
+            index_scores(qk, w, blocks=md.index_blocks, out=scores, block_t=1, **common)
+            return fast_topk(scores, lengths, k_top)
+        out = torch.empty(qk.shape[0], k_top, dtype=torch.int32, device=qk.device)
+        for ts, te, b0, b1 in md.chunks:
+            scores = torch.empty(te - ts, md.score_width, dtype=torch.float32, device=qk.device)
+            index_scores(qk, w, blocks=md.index_blocks[b0:b1], out=scores, block_t=md.block_t, out_row0=ts, **common)
+            fast_topk(scores, lengths[ts:te], k_top, out=out[ts:te])
+        return out

@@ -1,0 +1,152 @@
+"""The scheduler's third phase: turn a step's results into request state and outputs.
+
+`Scheduler.step()` = get_next_batch_to_run() -> run_batch() -> process_batch_result(). run_batch
+ends with `GenerationBatchResult.from_device(...)`, the step's one device->host copy (the sampled
+ids, plus logprobs when asked); everything here works on host lists. A result may carry several
+tokens per request (speculative verify accepts a run of draft tokens): they are appended in order
+and the request stops at the first finishing one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang.srt.managers.io_struct import ReqOutput
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
+
+
+@dataclass
+class GenerationBatchResult:
+    next_token_ids: list[list[int]]  # per request: the new tokens of this step, in order
+    next_token_logprobs: list[list[float]] | None = None
+    next_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
+    # Input (prompt) logprobs of extend rows, per request: [logprob], [[(val, id)]]
+    input_token_logprobs: list[list[float]] = field(default_factory=list)
+    input_top_logprobs: list[list[list[tuple[float, int]]]] = field(default_factory=list)
+
+    @classmethod
+    def from_device(cls, batch: ScheduleBatch, fb, logits_output, sample) -> "GenerationBatchResult":
+        """Copy what the host needs (ids; logprobs only when a request asked) in a few bulk copies."""
+        ids = sample.next_token_ids.tolist()
+        res = cls(next_token_ids=[[i] for i in ids])
+        if sample.next_token_logprobs is not None:
+            res.next_token_logprobs = [[v] for v in sample.next_token_logprobs.tolist()]
+            if sample.top_logprobs is not None:
+                res.next_top_logprobs = [[list(zip(v, t))] for v, t in sample.top_logprobs]
+        if fb.return_logprob and fb.forward_mode.is_extend():
+            res._input_logprobs(batch, fb, logits_output)
+        return res
+
+    def _input_logprobs(self, batch: ScheduleBatch, fb, lo) -> None:
+        counts = lo.input_logprob_counts or [0] * len(batch.reqs)
+        flat = lo.input_token_logprobs.tolist() if lo.input_token_logprobs is not None else []
+        tops = None
+        if lo.input_top_logprobs_val is not None:
+            tops = list(zip(lo.input_top_logprobs_val.tolist(), lo.input_top_logprobs_idx.tolist()))
+        # Chunk boundaries: a chunk's last row scores the next chunk's first prompt token.
+        boundary = [i for i, r in enumerate(batch.reqs)
+                    if fb.logprob_start_lens_cpu[i] >= 0 and batch.prefix_lens[i] + batch.extend_lens[i]
+                    < len(r.origin_input_ids)]
+        bvals: dict[int, tuple[float, list]] = {}
+        if boundary:
+            rows = torch.tensor(boundary, device=lo.next_token_logits.device)
+            lp = torch.log_softmax(lo.next_token_logits[rows].float(), dim=-1)
+            nxt = [batch.reqs[i].fill_ids()[batch.prefix_lens[i] + batch.extend_lens[i]] for i in boundary]
+            vals = lp.gather(1, torch.tensor(nxt, device=lp.device)[:, None]).squeeze(1).tolist()
+            kmax = max(batch.reqs[i].top_logprobs_num for i in boundary)
+            tv = ti = None
+            if kmax:
+                tv, ti = (x.tolist() for x in lp.topk(kmax, dim=-1))
+            for j, i in enumerate(boundary):
+                n = batch.reqs[i].top_logprobs_num
+                bvals[i] = (vals[j], list(zip(tv[j][:n], ti[j][:n])) if n else [])
+        off = 0
+        for i, req in enumerate(batch.reqs):
+            c = counts[i] if i < len(counts) else 0
+            n = req.top_logprobs_num
+            tok = flat[off : off + c]
+            top = [list(zip(v[:n], t[:n])) for v, t in tops[off : off + c]] if tops is not None else []
+            if i in bvals:
+                tok = tok + [bvals[i][0]]
+                top = top + ([bvals[i][1]] if n else [])
+            self.input_token_logprobs.append(tok)
+            self.input_top_logprobs.append(top)
+            off += c
+
+
+class SchedulerOutputProcessorMixin:
+    """Result processing of `Scheduler` (kept apart so the scheduler module stays small)."""
+
+    def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> list[ReqOutput]:
+        outputs: list[ReqOutput] = []
+        now = time.monotonic()
+        wants_input = bool(result.input_token_logprobs)
+        for i, req in enumerate(batch.reqs):
+            req.kv_committed_len = batch.prefix_lens[i] + batch.extend_lens[i]
+            if wants_input and req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
+                if req.input_token_logprobs is None:
+                    req.input_token_logprobs, req.input_top_logprobs = [], []
+                req.input_token_logprobs += result.input_token_logprobs[i]
+                req.input_top_logprobs += result.input_top_logprobs[i]
+            if req.is_chunked and len(req.fill_ids()) > req.kv_committed_len:
+                self.tree_cache.cache_unfinished_req(req)
+                self.chunked_req = req
+                continue
+            req.is_chunked = False
+            if req.sampling_params.max_new_tokens == 0:
+                # Prefill only (e.g. echo + prompt logprobs): the sampled token is not an output.
+                req.finished_reason = FINISH_LENGTH(0)
+                self.tree_cache.cache_finished_req(req)
+                outputs.append(self._make_output(req, []))
+                continue
+            new_ids = self._append_tokens(req, i, result)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req not in self.running and not req.finished():
+                self.running.append(req)
+            if req.finished():
+                if req in self.running:
+                    self.running.remove(req)
+                self.tree_cache.cache_finished_req(req)
+            outputs.append(self._make_output(req, new_ids))
+        return outputs
+
+    def _append_tokens(self, req: Req, i: int, result: GenerationBatchResult) -> list[int]:
+        new_ids = []
+        for j, tok in enumerate(result.next_token_ids[i]):
+            req.output_ids.append(tok)
+            new_ids.append(tok)
+            if req.return_logprob and result.next_token_logprobs is not None:
+                req.pending_logprobs.append(result.next_token_logprobs[i][j])
+                if req.top_logprobs_num and result.next_top_logprobs is not None:
+                    req.pending_top_logprobs.append(result.next_top_logprobs[i][j])
+            req.check_finished(self.eos_token_ids, self.tokenizer)
+            if req.finished():
+                break
+        return new_ids
+
+    def _make_output(self, req: Req, new_ids: list[int]) -> ReqOutput:
+        sp = req.sampling_params
+        out = ReqOutput(
+            rid=req.rid,
+            new_token_ids=new_ids,
+            finished_reason=req.finished_reason.to_json() if req.finished_reason else None,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            skip_special_tokens=sp.skip_special_tokens,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
+            no_stop_trim=sp.no_stop_trim,
+            stop_strs=sp.stop_strs or None,
+        )
+        if req.return_logprob:
+            out.output_token_logprobs, req.pending_logprobs = req.pending_logprobs, []
+            out.output_top_logprobs, req.pending_top_logprobs = req.pending_top_logprobs, []
+            if not req.input_logprobs_sent and req.input_token_logprobs is not None and (new_ids or req.finished()):
+                out.input_token_logprobs = req.input_token_logprobs
+                out.input_top_logprobs = req.input_top_logprobs
+                req.input_logprobs_sent = True
+        return out

@@ -24,6 +24,8 @@ for step in $steps; do
       SGLANG_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -p no:cacheprovider \
         test/registered/unit/kernels test/srt/test_triton_backends.py test/srt/test_model_parity.py \
         -k "not server_through" 2>&1 | tail -15 | tee "$OUT/gpu-tests.txt" ;;
+    bench-attn)
+      python3 benchmark/kernels/bench_attention_kernels.py --out-dir "$OUT" 2>&1 | tail -14 | tee "$OUT/bench-attn.txt" ;;
     bench-kernels)
       python3 benchmark/kernels/bench_attention_kernels.py --out-dir "$OUT" 2>&1 | tail -14 | tee "$OUT/bench-attn.txt"
       python3 benchmark/kernels/bench_fused_moe.py --out-dir "$OUT" 2>&1 | tail -14 | tee "$OUT/bench-moe.txt"

@@ -32,8 +32,8 @@ def _index_scores_kernel(
     Q, W, KDATA, KSCALE, OUT, REQ_TO_TOKEN, REQ_POOL_IDX, TOKEN_TO_REQ, POSITIONS, BLOCKS,
     skip_below, out_row0, page_size, row_data, row_f32, scale_base,
     stride_qt, stride_wt, stride_out, stride_r2t,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, PREC: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BT_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, PREC: tl.constexpr, PREC_W: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -57,8 +57,11 @@ def _index_scores_kernel(
     q = tl.load(Q + (t0 + tok)[:, None] * stride_qt + head[:, None] * D + offs_d[None, :],
                 mask=rmask[:, None], other=0.0)
     w = tl.load(W + (t0 + tok) * stride_wt + head, mask=rmask, other=0.0)
-    offs_t = tl.arange(0, BLOCK_T)
+    # The head-weighted sum is a second matmul: W [BT_PAD, M] holds token i's head weights in its
+    # own columns, so sum_h w * relu(s) runs on tensor cores instead of a cross-thread reduction.
+    offs_t = tl.arange(0, BT_PAD)
     tmask = offs_t < nt
+    wmat = tl.where(tok[None, :] == offs_t[:, None], w[None, :], 0.0)  # [BT_PAD, M] fp32
 
     for kb in range(pid_s, tl.cdiv(n, BLOCK_N), NUM_SPLITS):
         offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,9 +74,8 @@ def _index_scores_kernel(
             k = tl.load(k_ptrs, mask=nmask[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(q.dtype)
         else:
             k = tl.load(k_ptrs, mask=nmask[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [M, BLOCK_N]
-        s = tl.maximum(s, 0.0) * w[:, None]
-        sc = tl.sum(tl.reshape(s, [BLOCK_T, H, BLOCK_N]), 1)  # [BLOCK_T, BLOCK_N]
+        s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC), 0.0)  # [M, BLOCK_N] fp32
+        sc = tl.dot(wmat, s, input_precision=PREC_W)  # [BT_PAD, BLOCK_N]
         if FP8:
             ks = tl.load(KSCALE + page * row_f32 + scale_base + off, mask=nmask, other=0.0)
             sc = sc * ks[None, :]
@@ -133,7 +135,8 @@ def index_scores(
         q, weights, kdata, kscale, out, req_to_token, req_pool_indices, token_to_req, positions, blocks,
         skip_below, out_row0, page_size, row_bytes // data_dtype.itemsize, row_bytes // 4, data_bytes // 4,
         q.stride(0), weights.stride(0), out.stride(0), req_to_token.stride(0),
-        H=h, D=d, BLOCK_T=block_t, BLOCK_N=block_n, NUM_SPLITS=num_splits, FP8=fp8,
-        PREC=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        H=h, D=d, BLOCK_T=block_t, BT_PAD=max(16, next_pow2(block_t)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        FP8=fp8, PREC=dot_precision(q.dtype), PREC_W="ieee" if q.dtype == torch.float32 else "tf32x3",
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

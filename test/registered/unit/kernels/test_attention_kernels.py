@@ -179,9 +179,9 @@ def test_index_scores_skip_short_blocks_and_empty():
     r2t, pidx, tok_req, pos = _batch([20, 60], [20, 1], 200, g)
     q, w = torch.randn(21, 16, 64, generator=g), torch.randn(21, 16, generator=g)
     blocks = torch.tensor(token_blocks([0, 20], [20, 1], 4), dtype=torch.int32)
-    out = torch.full((21, 64), float("nan"))
-    index_scores(q, w, pool.index_k_with_scale_buffer[0], 1, torch.float32, r2t, pidx, tok_req, pos, blocks, out,
-                 block_t=4, skip_below=32)
+    out = torch.full((21, 64), float("nan"), device=DEVICE)
+    buf = pool.index_k_with_scale_buffer[0].to(DEVICE)
+    args = _to(q, w, buf, 1, torch.float32, r2t, pidx, tok_req, pos)
+    index_scores(*args, blocks.to(DEVICE), out, block_t=4, skip_below=32)
     assert out[:20].isnan().all() and not out[20, :60].isnan().any()
-    index_scores(q, w, pool.index_k_with_scale_buffer[0], 1, torch.float32, r2t, pidx, tok_req, pos, blocks[:0],
-                 out, block_t=4)
+    index_scores(*args, blocks[:0].to(DEVICE), out, block_t=4)

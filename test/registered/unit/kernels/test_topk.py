@@ -173,7 +173,7 @@ print("compiled")
 def test_kernels_compile_for_h200():
     """The interpreter bypasses Triton's compiler: build every kernel for sm_90 (H200) down to a
     cubin (ptxas ships with Triton), no GPU needed. Catches frontend errors the CPU tests cannot."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
+    import triton.backends.nvidia.compiler  # noqa: F401  (a CPU install of triton ships it too)
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

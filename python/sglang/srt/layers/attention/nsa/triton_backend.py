@@ -25,7 +25,11 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 CPU_SCORE_BUDGET = 2**26
 CUDA_SCORE_BUDGET_MAX = 2**31
 INDEX_ROWS_PER_BLOCK = 128  # token block x index heads: the M of the scoring matmul
-BLOCK_N = 32
+# Tiles measured on the H200 (benchmark/kernels/bench_attention_kernels.py). Fixed per mode, never
+# chosen by batch size, so a request's arithmetic is the same in any batch.
+MLA_DECODE = dict(block_h=32, block_n=64, num_warps=4)
+MLA_EXTEND = dict(block_h=64, block_n=64, num_warps=8, num_stages=2)
+INDEX_BLOCK_N = 64
 
 
 @dataclass
@@ -57,7 +61,7 @@ class TritonNSABackend(AttentionBackend):
 
         # Decode split-K: a fixed chunking of a token's keys (batch-invariant results).
         self.max_keys = self.topk_width if mc.is_dsa else self.context_len
-        self.split_keys = split_keys_for(self.max_keys, BLOCK_N)
+        self.split_keys = split_keys_for(self.max_keys, MLA_DECODE["block_n"])
         self.num_splits = -(-self.max_keys // self.split_keys)
         self._graph_md: dict[int, TritonNSAMetadata] = {}
         self._graph_partial: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -154,7 +158,7 @@ class TritonNSABackend(AttentionBackend):
             fb.req_pool_indices, fb.token_to_req, fb.positions, topk_indices, layer.scaling,
             split_keys=self.split_keys if split else 0,
             max_keys=(topk_indices.shape[1] if topk_indices is not None else md.score_width) if split else 0,
-            partial=md.partial, block_n=BLOCK_N)
+            partial=md.partial, **(MLA_DECODE if split else MLA_EXTEND))
         return layer.project_out(o_lat)
 
     # -- DSA indexer --------------------------------------------------------------------------------
@@ -184,7 +188,8 @@ class TritonNSABackend(AttentionBackend):
         buf = self.pool.get_index_k_buffer(indexer.layer_id)
         common = dict(index_k_buffer=buf, page_size=self.pool.page_size, data_dtype=self.pool.data_dtype,
                       req_to_token=md.req_to_token, req_pool_indices=fb.req_pool_indices,
-                      token_to_req=fb.token_to_req, positions=fb.positions, skip_below=k_top, block_n=BLOCK_N)
+                      token_to_req=fb.token_to_req, positions=fb.positions, skip_below=k_top,
+                      block_n=INDEX_BLOCK_N)
         lengths = fb.positions + 1
         if decode:
             scores = torch.empty(qk.shape[0], md.score_width, dtype=torch.float32, device=qk.device)

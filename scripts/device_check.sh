@@ -21,9 +21,9 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     gpu-tests)  # compiled kernels vs their twins; the model through them (graphs on) vs transformers
-      SGLANG_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -x -p no:cacheprovider \
-        test/registered/unit/kernels test/srt/test_triton_backends.py test/srt/test_model_parity.py \
-        -k "not server_through" 2>&1 | tail -15 | tee "$OUT/gpu-tests.txt" ;;
+      SGLANG_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider \
+        ${GPU_TESTS:-test/registered/unit/kernels test/srt/test_triton_backends.py test/srt/test_model_parity.py} \
+        -k "${GPU_TESTS_K:-not server_through}" 2>&1 | tail -15 | tee "$OUT/gpu-tests.txt" ;;
     bench-attn)
       python3 benchmark/kernels/bench_attention_kernels.py --out-dir "$OUT" 2>&1 | tail -14 | tee "$OUT/bench-attn.txt" ;;
     bench-kernels)
@@ -32,8 +32,9 @@ for step in $steps; do
       python3 benchmark/kernels/bench_topk.py --out-dir "$OUT" 2>&1 | tail -14 | tee "$OUT/bench-topk.txt" ;;
     bench-e2e)
       for shape in ${E2E_SHAPES:-deepseek-v32 glm-5}; do
+        args=E2E_ARGS_${shape//-/_}
         timeout ${BENCH_TIMEOUT:-420} python3 benchmark/e2e/bench_e2e_vs_hf.py --shape $shape --out-dir "$OUT" \
-          ${E2E_ARGS:-} 2>&1 | grep -v "^  " | tail -12 | tee "$OUT/e2e-$shape.txt"
+          ${!args:-} 2>&1 | grep -v "^  " | tail -12 | tee "$OUT/e2e-$shape.txt"
       done ;;
     parity)  # our model on cuda vs transformers on cpu (fp32)
       SGLANG_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider \

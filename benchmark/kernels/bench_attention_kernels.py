@@ -77,11 +77,12 @@ def bench_mla(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
         q_lat = torch.randn(t, h, c, generator=g).to(device, torch.bfloat16)
         q_rope = torch.randn(t, h, R, generator=g).to(device, torch.bfloat16)
         args = (q_lat, q_rope, kv, c, r2t, pidx, tok_req, pos, topk, c**-0.5)
-        variants = ([dict(split_keys=256, max_keys=k_top, block_h=bh, block_n=bn, num_warps=w)
-                     for bh in (32, 64) for bn in (32, 64) for w in (4, 8)]
+        # (the first is the serving config, triton_backend.MLA_DECODE / MLA_EXTEND; others: candidates)
+        variants = ([dict(split_keys=256, max_keys=k_top, block_h=32, block_n=64, num_warps=4),
+                     dict(split_keys=256, max_keys=k_top, block_h=64, block_n=32, num_warps=8)]
                     if kind == "decode" else
-                    [dict(block_h=64, block_n=bn, num_warps=w, num_stages=s)
-                     for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3)])
+                    [dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
+                     dict(block_h=64, block_n=64, num_warps=8, num_stages=3)])
         if smoke:
             variants = variants[:2]
         check_rows = slice(0, min(t, 64))
@@ -160,8 +161,7 @@ def bench_indexer(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
         assert torch.equal(got[rows_chk], fast_topk_ref(scores[rows_chk], lengths[rows_chk], k_top))
         best = None
         for bt, bn, w_ in ([(block_t, 64, 4)] if smoke else
-                           [(bt, bn, w_) for bt in ((1,) if kind == "decode" else (1, 2, 4)) for bn in (64, 128)
-                            for w_ in (4, 8)]):
+                           [(bt, 128, w_) for bt in ((1,) if kind == "decode" else (1, 2)) for w_ in (4, 8)]):
             blk = torch.tensor(token_blocks(starts, lens, bt), dtype=torch.int32).to(device)
             try:
                 ms = _bench(lambda: index_scores(q8, wf, pool.index_k_with_scale_buffer[0], page, pool.data_dtype,

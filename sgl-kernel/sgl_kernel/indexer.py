@@ -33,7 +33,8 @@ def _index_scores_kernel(
     skip_below, out_row0, page_size, row_data, row_f32, scale_base,
     stride_qt, stride_wt, stride_out, stride_r2t,
     H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BT_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, PREC: tl.constexpr, PREC_W: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr, PREC: tl.constexpr,
+    PREC_W: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -56,6 +57,8 @@ def _index_scores_kernel(
     offs_d = tl.arange(0, D)
     q = tl.load(Q + (t0 + tok)[:, None] * stride_qt + head[:, None] * D + offs_d[None, :],
                 mask=rmask[:, None], other=0.0)
+    if FP8_DOT:
+        q = q.to(tl.float8e4nv)  # exact: q holds FP8 values; FP8 x FP8 tensor-core products, fp32 sums
     w = tl.load(W + (t0 + tok) * stride_wt + head, mask=rmask, other=0.0)
     # The head-weighted sum is a second matmul: W [BT_PAD, M] holds token i's head weights in its
     # own columns, so sum_h w * relu(s) runs on tensor cores instead of a cross-thread reduction.
@@ -70,7 +73,9 @@ def _index_scores_kernel(
         page = slot // page_size
         off = slot % page_size
         k_ptrs = KDATA + page[:, None] * row_data + off[:, None] * D + offs_d[None, :]
-        if FP8:
+        if FP8_DOT:
+            k = tl.load(k_ptrs, mask=nmask[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+        elif FP8:
             k = tl.load(k_ptrs, mask=nmask[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(q.dtype)
         else:
             k = tl.load(k_ptrs, mask=nmask[:, None], other=0.0).to(q.dtype)
@@ -136,7 +141,8 @@ def index_scores(
         skip_below, out_row0, page_size, row_bytes // data_dtype.itemsize, row_bytes // 4, data_bytes // 4,
         q.stride(0), weights.stride(0), out.stride(0), req_to_token.stride(0),
         H=h, D=d, BLOCK_T=block_t, BT_PAD=max(16, next_pow2(block_t)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        FP8=fp8, PREC=dot_precision(q.dtype), PREC_W="ieee" if q.dtype == torch.float32 else "tf32x3",
+        FP8=fp8, FP8_DOT=fp8 and q.dtype == torch.bfloat16,
+        PREC=dot_precision(q.dtype), PREC_W="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

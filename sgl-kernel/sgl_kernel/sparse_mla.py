@@ -2,7 +2,9 @@
 
 One kernel serves decode and extend. Query token t (request r = token_to_req[t], position p_t)
 attends, with every head, over keys given either by its top-k list (request-local positions,
--1 = none; SPARSE) or by all causal positions 0..p_t (dense, DeepSeek-V3). Keys are rows of the
+-1 = none, valid entries first as the indexer emits them; SPARSE) or by all causal positions
+0..p_t (dense, DeepSeek-V3). A token has at most p_t + 1 valid entries, so its loop stops there:
+short requests cost their length, not index_topk. Keys are rows of the
 layer's KV buffer [slots, C + R] (latent then rope), found through req_to_token; nothing is
 gathered into a [tokens, k, C + R] tensor first.
 
@@ -60,8 +62,8 @@ def _mla_fwd_kernel(
     q_rope = tl.load(Q_ROPE + t * stride_rt + heads[:, None] * stride_rh + offs_r[None, :],
                      mask=hmask[:, None] & rmask[None, :], other=0.0)
 
-    if SPARSE:
-        n = k_top
+    if SPARSE:  # top-k rows hold their valid positions first (-1 after), at most p_t + 1 of them
+        n = tl.minimum(k_top, pos + 1)
     else:
         n = pos + 1
     if FINAL:

@@ -96,7 +96,8 @@ def test_forward_makes_no_host_sync(attn, builtin_path):
     from sglang.srt.layers.attention.nsa.utils import assert_topk_matches_batch
 
     with pytest.raises(HostSyncError), no_host_sync():
-        assert_topk_matches_batch(torch.zeros(fb.num_tokens, 4, dtype=torch.int32), fb, 0)
+        assert_topk_matches_batch(torch.zeros(fb.num_tokens, 4, dtype=torch.int32, device=fb.positions.device),
+                                  fb, 0)
 
 
 def test_capture_sizes():

@@ -12,7 +12,7 @@ import uuid
 from typing import Any, Iterator
 
 from sglang.srt.configs.model_config import model_config_from_server_args
-from sglang.srt.managers.detokenizer_manager import DecodeState
+from sglang.srt.managers.detokenizer_manager import DecodeState, push_batch
 from sglang.srt.managers.io_struct import ReqOutput, TokenizedGenerateReqInput
 from sglang.srt.managers.request_state import RequestState
 from sglang.srt.managers.scheduler import Scheduler
@@ -32,13 +32,20 @@ class _Pending(RequestState):
         self.decode = decode
 
     def push(self, out: ReqOutput) -> str:
-        delta = self.decode.push(out.new_token_ids, out.finished_reason)
-        self.apply(out, delta)
-        return delta
+        return push_outputs([self], [out])[0]
 
     @property
     def done(self) -> bool:
         return self.finished
+
+
+def push_outputs(pendings: list[_Pending], outs: list[ReqOutput]) -> list[str]:
+    """Detokenize one step's outputs in a batch and apply them to their requests."""
+    deltas = push_batch([p.decode for p in pendings], [o.new_token_ids for o in outs],
+                        [o.finished_reason for o in outs])
+    for p, o, d in zip(pendings, outs, deltas):
+        p.apply(o, d)
+    return deltas
 
 
 class Engine:
@@ -76,10 +83,9 @@ class Engine:
             outs = self.scheduler.step()
             if not outs and not self.scheduler.has_work():
                 raise RuntimeError("scheduler idle with unfinished requests")
-            for out in outs:
-                p = by_rid.get(out.rid)
-                if p is not None:
-                    yield p, p.push(out)
+            mine = [(by_rid[o.rid], o) for o in outs if o.rid in by_rid]
+            deltas = push_outputs([p for p, _ in mine], [o for _, o in mine]) if mine else []
+            yield from ((p, d) for (p, _), d in zip(mine, deltas))
 
     def generate(
         self,

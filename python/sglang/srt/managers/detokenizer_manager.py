@@ -34,22 +34,22 @@ class DecodeState:
         self.text = ""
         self.sent = 0
 
-    def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
-
     def push(self, new_ids: list[int], finished_reason: dict | None = None) -> str:
         """Add tokens; returns the newly final text."""
-        finished = finished_reason is not None
+        return push_batch([self], [new_ids], [finished_reason])[0]
+
+    # push = _add (ids, decode windows) -> decode (batched across requests) -> _apply
+    def _add(self, new_ids: list[int], finished_reason: dict | None) -> tuple[list[int], list[int]]:
         ids = list(new_ids)
-        if finished and not self.no_stop_trim and isinstance((finished_reason or {}).get("matched"), int) and ids:
+        if (finished_reason is not None and not self.no_stop_trim
+                and isinstance(finished_reason.get("matched"), int) and ids):
             ids = ids[:-1]  # the matched stop token is not part of the text
         self.ids.extend(ids)
-        new = self._decode(self.ids[self.surr_offset :])
+        return self.ids[self.surr_offset :], self.ids[self.surr_offset : self.read_offset]
+
+    def _apply(self, new: str, surr: str, finished_reason: dict | None) -> str:
+        finished = finished_reason is not None
         if finished or not new.endswith("\ufffd"):
-            surr = self._decode(self.ids[self.surr_offset : self.read_offset])
             self.text += new[len(surr) :]
             self.surr_offset, self.read_offset = self.read_offset, len(self.ids)
         end = len(self.text)
@@ -67,6 +67,26 @@ class DecodeState:
         delta = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return delta
+
+
+def push_batch(states: list[DecodeState], new_ids: list[list[int]], finished: list[dict | None]) -> list[str]:
+    """DecodeState.push for many requests with one batched tokenizer call per decode option set
+    (per-request decode calls dominated the host time of large decode batches)."""
+    if len({id(st) for st in states}) != len(states):  # one request twice in a batch: keep their order
+        return [push_batch([st], [ids], [fin])[0] for st, ids, fin in zip(states, new_ids, finished)]
+    windows = [st._add(ids, fin) for st, ids, fin in zip(states, new_ids, finished)]
+    texts: list[tuple[str, str] | None] = [None] * len(states)
+    groups: dict[tuple, list[int]] = {}
+    for i, st in enumerate(states):
+        groups.setdefault((id(st.tokenizer), st.skip_special_tokens, st.spaces_between_special_tokens), []).append(i)
+    for idx in groups.values():
+        st = states[idx[0]]
+        flat = [windows[i][0] for i in idx] + [windows[i][1] for i in idx]
+        decoded = st.tokenizer.batch_decode(flat, skip_special_tokens=st.skip_special_tokens,
+                                            spaces_between_special_tokens=st.spaces_between_special_tokens)
+        for j, i in enumerate(idx):
+            texts[i] = (decoded[j], decoded[len(idx) + j])
+    return [st._apply(new, surr, fin) for st, (new, surr), fin in zip(states, texts, finished)]
 
 
 class DetokenizerManager:
@@ -87,18 +107,20 @@ class DetokenizerManager:
     def handle(self, batch) -> "object":
         from sglang.srt.managers.io_struct import BatchStrOut, StrOutput
 
-        outs = []
+        states = []
         for out in batch.outputs:
             state = self.states.get(out.rid)
             if state is None:
                 state = self.states[out.rid] = DecodeState(
                     self.tokenizer, out.skip_special_tokens, out.spaces_between_special_tokens, out.stop_strs,
                     out.no_stop_trim)
-            delta = state.push(out.new_token_ids, out.finished_reason)
+            states.append(state)
+        deltas = push_batch(states, [o.new_token_ids for o in batch.outputs],
+                            [o.finished_reason for o in batch.outputs])
+        for out in batch.outputs:
             if out.finished_reason is not None:
-                del self.states[out.rid]
-            outs.append(StrOutput(delta, out))
-        return BatchStrOut(outs)
+                self.states.pop(out.rid, None)
+        return BatchStrOut([StrOutput(d, o) for d, o in zip(deltas, batch.outputs)])
 
     def event_loop(self) -> None:
         while True:

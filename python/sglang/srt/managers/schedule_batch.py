@@ -92,6 +92,15 @@ class Req:
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
 
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids()[start:end] without building the whole list."""
+        n = len(self.origin_input_ids)
+        if end <= n:
+            return self.origin_input_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.origin_input_ids[start:] + self.output_ids[: end - n]
+
     def kv_token_ids(self) -> list[int]:
         return self.fill_ids()
 

@@ -257,22 +257,33 @@ class Scheduler(SchedulerOutputProcessorMixin):
             logger.warning("KV cache full: retracted %d request(s) back to the queue", retracted)
 
     def _alloc_batch_kv(self, batch: ScheduleBatch) -> bool:
+        """KV slots for the batch's new tokens, written to req_to_token in one scatter. Host-only
+        (this runs every step): no per-request tensors in the decode case."""
+        r2t = self.req_to_token_pool
         seq_lens = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
-        last_locs = [self.req_to_token_pool.last_loc(r.req_pool_idx, p) for r, p in zip(batch.reqs, batch.prefix_lens)]
-        out = self.allocator.alloc_extend(batch.prefix_lens, seq_lens, last_locs)
+        rows = [r.req_pool_idx for r in batch.reqs]
+        last_locs = r2t.last_locs(rows, batch.prefix_lens)
+        decode = batch.forward_mode.is_decode()
+
+        def alloc():
+            if decode:
+                return self.allocator.alloc_decode(seq_lens, last_locs)
+            return self.allocator.alloc_extend(batch.prefix_lens, seq_lens, last_locs)
+
+        out = alloc()
         if out is None:
-            need = sum(batch.extend_lens) + self.page_size * len(batch.reqs)
-            self.tree_cache.evict(need)
-            out = self.allocator.alloc_extend(batch.prefix_lens, seq_lens, last_locs)
+            self.tree_cache.evict(sum(batch.extend_lens) + self.page_size * len(batch.reqs))
+            out = alloc()
             if out is None:
                 return False
-        off = 0
-        input_ids: list[int] = []
-        for req, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            self.req_to_token_pool.write(req.req_pool_idx, p, out[off : off + e])
-            input_ids.extend(req.fill_ids()[p : p + e])
-            off += e
-        batch.input_ids = input_ids
+        ext = torch.tensor(batch.extend_lens)
+        cols = torch.arange(len(out)) + (torch.tensor(batch.prefix_lens) - (torch.cumsum(ext, 0) - ext)).repeat_interleave(ext)
+        r2t.write_tokens(torch.tensor(rows).repeat_interleave(ext), cols, out)
+        if decode:  # the token at position p is the last generated one
+            batch.input_ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in batch.reqs]
+        else:
+            batch.input_ids = [t for req, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)
+                               for t in req.fill_slice(p, p + e)]
         batch.out_cache_loc = out
         return True
 

@@ -102,8 +102,21 @@ class PagedTokenToKVPoolAllocator:
         return torch.cat(out).to(self.device) if out else torch.empty(0, dtype=torch.int64, device=self.device)
 
     def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
-        """One slot per request for position seq_len - 1 (seq_lens include the new token)."""
-        return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_locs)
+        """One slot per request for position seq_len - 1 (seq_lens include the new token): the slot
+        after last_loc on its page, or the first slot of a fresh page. Same result as alloc_extend
+        for one token each, without per-request tensors (this runs every decode step)."""
+        if len(seq_lens) != len(last_locs):
+            raise ValueError("alloc_decode needs one seq_len and last_loc per request")
+        if any(s < 1 for s in seq_lens):
+            raise ValueError(f"alloc_decode needs seq_len >= 1, got {seq_lens[:8]}")
+        p = self.page_size
+        fresh = [(s - 1) % p == 0 for s in seq_lens]
+        pages = self._take_pages(sum(fresh))
+        if pages is None:
+            return None
+        it = iter(pages.tolist())
+        out = [next(it) * p if f else last + 1 for f, last in zip(fresh, last_locs)]
+        return torch.tensor(out, dtype=torch.int64).to(self.device)
 
 
 def TokenToKVPoolAllocator(size: int, device: str = "cpu") -> PagedTokenToKVPoolAllocator:

@@ -46,6 +46,7 @@ class ReqToTokenPool:
         on_host = torch.device(device).type == "cpu"
         self.req_to_token_cpu = self.req_to_token if on_host else torch.zeros(shape, dtype=torch.int32)
         self._pending: list[tuple[int, int, torch.Tensor]] = []
+        self._pending_tokens: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.free_slots = list(range(size))
 
     def available_size(self) -> int:
@@ -73,6 +74,21 @@ class ReqToTokenPool:
         if self.req_to_token is not self.req_to_token_cpu and values.numel():
             self._pending.append((req_idx, start, values))
 
+    def write_tokens(self, rows: torch.Tensor, cols: torch.Tensor, values: torch.Tensor) -> None:
+        """Scattered writes req_to_token[rows[i], cols[i]] = values[i] (one batch of new tokens)."""
+        rows, cols, values = rows.to(torch.int64), cols.to(torch.int64), values.to("cpu", torch.int32)
+        self.req_to_token_cpu[rows, cols] = values
+        if self.req_to_token is not self.req_to_token_cpu and values.numel():
+            self._pending_tokens.append((rows, cols, values))
+
+    def last_locs(self, req_idx: list[int], lens: list[int]) -> list[int]:
+        """last_loc for many requests in one host gather."""
+        if not req_idx:
+            return []
+        cols = torch.tensor(lens, dtype=torch.int64) - 1
+        got = self.req_to_token_cpu[torch.tensor(req_idx), cols.clamp(min=0)]
+        return torch.where(cols >= 0, got, -1).tolist()
+
     def read(self, req_idx: int, n: int) -> torch.Tensor:
         """The first n KV slots of a request (int64, host)."""
         return self.req_to_token_cpu[req_idx, :n].to(torch.int64)
@@ -83,12 +99,15 @@ class ReqToTokenPool:
 
     def flush_writes(self) -> None:
         """Apply queued writes to the device table: one pinned upload + one scatter."""
-        if not self._pending:
+        if not self._pending and not self._pending_tokens:
             return
-        rows = torch.cat([torch.full((v.numel(),), r, dtype=torch.int32) for r, _, v in self._pending])
-        cols = torch.cat([torch.arange(s, s + v.numel(), dtype=torch.int32) for _, s, v in self._pending])
-        vals = torch.cat([v for _, _, v in self._pending])
+        parts = [(torch.full((v.numel(),), r, dtype=torch.int32), torch.arange(s, s + v.numel(), dtype=torch.int32), v)
+                 for r, s, v in self._pending] + self._pending_tokens
+        rows = torch.cat([r.to(torch.int32) for r, _, _ in parts])
+        cols = torch.cat([c.to(torch.int32) for _, c, _ in parts])
+        vals = torch.cat([v for _, _, v in parts])
         self._pending.clear()
+        self._pending_tokens.clear()
         packed = torch.stack([rows, cols, vals])
         if torch.cuda.is_available():
             packed = packed.pin_memory()

@@ -134,10 +134,13 @@ def _scores_ref(q, w, keys_of, tok_req, pos, width, fp8: bool):
     return out
 
 
-@pytest.mark.parametrize("index_k_dtype", ["fp8_e4m3", "float32"])
+@pytest.mark.parametrize("index_k_dtype,q_dtype", [("fp8_e4m3", torch.float32), ("fp8_e4m3", torch.bfloat16),
+                                                   ("float32", torch.float32)])
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("block_t", [1, 4])
-def test_index_scores_match_reference(index_k_dtype, page_size, block_t):
+def test_index_scores_match_reference(index_k_dtype, q_dtype, page_size, block_t):
+    """bf16 queries with FP8 keys take the FP8 x FP8 tensor-core path (FP8 query values are exact
+    in bf16); fp32 the exact one. Either way the products are exact and only the sums round."""
     g = _gen(5)
     h, d = 16, 64
     seq, ext = [70, 9, 133], [30, 9, 1]
@@ -153,7 +156,7 @@ def test_index_scores_match_reference(index_k_dtype, page_size, block_t):
     q, w = torch.randn(t, h, d, generator=g), torch.randn(t, h, generator=g)
     fp8 = index_k_dtype == "fp8_e4m3"
     if fp8:
-        q8, wf = fold_fp8_query(q, w, 1.0, torch.float32)
+        q8, wf = fold_fp8_query(q, w, 1.0, q_dtype)
         ref = _scores_ref(fp8_round_trip(q), w, keys_of, tok_req, pos, 140, True)
     else:
         q8, wf = q, w
@@ -169,7 +172,8 @@ def test_index_scores_match_reference(index_k_dtype, page_size, block_t):
     causal = torch.arange(140)[None, :] <= pos[:, None]
     assert not got[causal].isnan().any() and got[~causal].isnan().all()  # exactly the causal entries
     err = (got[causal] - ref[causal]).abs().max().item()
-    assert err < 1e-4 * max(1.0, ref[causal].abs().max().item()), err
+    tol = 1e-4 if q_dtype == torch.float32 else 2e-3  # bf16 path: tf32 head sum on GPUs
+    assert err < tol * max(1.0, ref[causal].abs().max().item()), err
 
 
 def test_index_scores_skip_short_blocks_and_empty():

@@ -29,7 +29,7 @@ INDEX_ROWS_PER_BLOCK = 128  # token block x index heads: the M of the scoring ma
 # chosen by batch size, so a request's arithmetic is the same in any batch.
 MLA_DECODE = dict(block_h=32, block_n=64, num_warps=4)
 MLA_EXTEND = dict(block_h=64, block_n=64, num_warps=8, num_stages=2)
-INDEX_BLOCK_N = 64
+INDEX_BLOCK_N = 128
 
 
 @dataclass

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sglang.srt.layers.linear import rows_invariant
+
 
 class RadixAttention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
@@ -36,11 +38,12 @@ class RadixAttention(nn.Module):
 
     def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
         """[T, H, nope] -> q_lat [T, H, C]."""
-        return torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)
+        return rows_invariant(lambda q: torch.bmm(q, self.w_kc), q_nope.transpose(0, 1), dim=1).transpose(0, 1)
 
     def project_out(self, o_lat: torch.Tensor) -> torch.Tensor:
         """[T, H, C] -> [T, H, v]."""
-        return torch.bmm(o_lat.transpose(0, 1), self.w_vc.transpose(1, 2)).transpose(0, 1)
+        return rows_invariant(lambda o: torch.bmm(o, self.w_vc.transpose(1, 2)), o_lat.transpose(0, 1),
+                              dim=1).transpose(0, 1)
 
     def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                 forward_batch, topk_indices: torch.Tensor | None = None, save_kv_cache: bool = True) -> torch.Tensor:

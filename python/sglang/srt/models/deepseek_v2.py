@@ -34,6 +34,7 @@ from sglang.srt.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     default_weight_loader,
+    rows_invariant,
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.moe.fused_moe import FusedMoE
@@ -72,7 +73,7 @@ class MoEGate(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.float(), self.weight.float())
+        return rows_invariant(lambda a: torch.nn.functional.linear(a, self.weight.float()), x.float())
 
 
 class DeepseekV2MoE(nn.Module):

@@ -241,3 +241,40 @@ def test_sparse_attention_equals_masked_dense_reference(mla_path, decode, monkey
             ref = torch.einsum("hl,lhv->hv", probs, v)
             assert torch.allclose(out[row], ref, atol=1e-5), (mla_path, decode, row)
             row += 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("index_k_dtype", ["fp8_e4m3", "float32"])
+def test_topk_is_batch_invariant_under_exact_ties(backend, index_k_dtype):
+    """Issue 9 item 6: a request's top-k must not depend on its batch. FP8 index scores tie
+    exactly; which tied key survives the cut must not depend on the padded width of the batch
+    (today's rule: ties keep the lower position). Request A decoded alone equals A decoded beside a
+    longer request B, and among tied keys at the cut the lower positions are kept."""
+    topk, d = 8, 64
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(5, d, generator=g)
+    keys_a = base[torch.arange(30) % 5]  # 5 distinct keys, each 6 times: exact score ties
+    q, w = torch.randn(1, 4, d, generator=g), torch.rand(1, 4, generator=g) + 0.1
+
+    def run(lens_prefix, keys):
+        pool, fb, be, _, _ = _setup(lens_prefix, [1] * len(lens_prefix), 1, index_k_dtype, d, backend=backend,
+                                    topk=topk, heads=4)
+        for i, kk in enumerate(keys):
+            slot = fb.req_pool_indices[i].item()
+            pool.set_index_k(0, fb.req_to_token_pool.read(slot, lens_prefix[i] + 1), kk)
+        qq, ww = q.expand(len(keys), -1, -1).contiguous(), w.expand(len(keys), -1).contiguous()
+        return be.index_topk(_IndexerSpec(topk), qq, ww, fb)
+
+    alone = run([29], [keys_a])[0]
+    # The old torch.topk over padded [B, Lmax] rows kept different tied keys at widths 31, 64, 2000.
+    for len_b in (31, 64, 300):
+        together = run([29, len_b - 1], [keys_a, torch.randn(len_b, d, generator=g)])[0]
+        assert torch.equal(alone, together), len_b
+    # the ties are real: the selection takes whole groups of equal keys from the lowest positions
+    sel = alone.tolist()
+    scores = index_scores(q, keys_a[None], w, 0.125)[0] if index_k_dtype == "float32" else None
+    if scores is not None:
+        cut = scores[sel].min()
+        tied = [p for p in range(30) if scores[p] == cut]
+        kept = [p for p in sel if scores[p] == cut]
+        assert kept == tied[: len(kept)] and len(kept) < len(tied)

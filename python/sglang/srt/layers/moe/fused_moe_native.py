@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from sglang.srt.layers.linear import rows_invariant
+
 
 def fused_experts_native(
     hidden_states: torch.Tensor,
@@ -30,8 +32,8 @@ def fused_experts_native(
     for e in hit.tolist():
         tok, slot = torch.where(local_ids == e)
         x = hidden_states[tok]
-        gate_up = F.linear(x, w13[e])
+        gate_up = rows_invariant(lambda a: F.linear(a, w13[e]), x)
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(h, w2[e]) * topk_weights[tok, slot, None].to(x.dtype)
+        y = rows_invariant(lambda a: F.linear(a, w2[e]), h) * topk_weights[tok, slot, None].to(x.dtype)
         out.index_add_(0, tok, y.to(out.dtype))
     return out

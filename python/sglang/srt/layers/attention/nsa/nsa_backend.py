@@ -207,12 +207,16 @@ class NativeSparseAttnBackend(AttentionBackend):
         dtype = index_score_dtype(self.pool, q.device)
         qf = (fp8_round_trip(q) if self.pool.is_fp8 else q.float()).to(dtype)
         keys = self.pool.get_index_k(indexer.layer_id, md.page_table).to(dtype)  # [B, W, D]
-        t, w = q.shape[0], keys.shape[1]
-        out = torch.empty(t, k_top, dtype=torch.int32, device=q.device)
-        step = query_chunk(w * max(keys.shape[2], q.shape[1]), q.device)
-        for c in range(0, t, step):
-            rows = slice(c, c + step)
-            scores = index_scores(qf[rows], keys[forward_batch.token_to_req[rows]], weights[rows],
-                                  indexer.softmax_scale)
-            out[rows] = fast_topk_ref(scores, positions[rows] + 1, k_top)
+        out = torch.empty(q.shape[0], k_top, dtype=torch.int32, device=q.device)
+        # Decode: row b is request b's only token. Extend: each request's tokens against its own keys
+        # (broadcast, no per-token copy of the keys), in chunks of rows.
+        spans = ([(0, q.shape[0], None)] if forward_batch.forward_mode.is_decode() else
+                 [(s, s + e, i) for i, (s, e) in enumerate(zip(md.starts, md.extend_lens)) if e])
+        for s, e, i in spans:
+            kk = keys if i is None else keys[i : i + 1, : md.seq_lens[i]]
+            step = query_chunk(kk.shape[1] * max(kk.shape[2], q.shape[1]), q.device)
+            for c in range(s, e, step):
+                rows = slice(c, min(c + step, e))
+                scores = index_scores(qf[rows], kk, weights[rows], indexer.softmax_scale)
+                out[rows] = fast_topk_ref(scores, positions[rows] + 1, k_top)
         return out

@@ -23,6 +23,7 @@ from sglang.srt.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
+from sglang.srt.managers.request_limits import request_length_error
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting_queue
 from sglang.srt.managers.scheduler_output_processor import GenerationBatchResult, SchedulerOutputProcessorMixin
@@ -72,26 +73,16 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.forward_ct = 0
 
     # -- requests -----------------------------------------------------------------------------------
-    def validate_request_len(self, num_input: int, max_new_tokens: int) -> str | None:
-        if num_input == 0:
-            return "the prompt is empty"
-        if num_input + max_new_tokens > self.context_len:
-            return (f"this model's maximum context length is {self.context_len} tokens; the request has "
-                    f"{num_input} prompt tokens and asks for {max_new_tokens} new tokens")
-        if num_input + 1 > self.max_total_num_tokens - self.page_size:
-            return (f"the prompt ({num_input} tokens) cannot fit in the KV cache "
-                    f"({self.max_total_num_tokens} tokens)")
-        return None
-
     def add_request(self, recv: TokenizedGenerateReqInput) -> list[ReqOutput]:
         sp = recv.sampling_params
         if sp.max_new_tokens is None:  # upstream: bounded only by the context length
             sp.max_new_tokens = max(self.context_len - len(recv.input_ids), 0)
         req = Req(recv.rid, recv.input_ids, sp, recv.return_logprob, recv.logprob_start_len,
                   recv.top_logprobs_num, recv.stream)
-        error = self.validate_request_len(len(req.origin_input_ids), sp.max_new_tokens)
+        error = request_length_error(len(req.origin_input_ids), sp.max_new_tokens, self.context_len,
+                                     self.max_total_num_tokens, self.page_size)
         if error is not None:
-            req.finished_reason = FINISH_ABORT(error, 400)
+            req.finished_reason = FINISH_ABORT(error.message, 400)
             return [self._make_output(req, [])]
         self.waiting_queue.append(req)
         return []

@@ -32,6 +32,7 @@ from sglang.srt.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
+from sglang.srt.managers.request_limits import request_length_error
 from sglang.srt.managers.request_state import RequestState
 from sglang.srt.managers.tokenizer_utils import load_tokenizer, max_input_bytes_per_token
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -171,19 +172,10 @@ class TokenizerManager:
 
     def check_length(self, n_input: int, max_new_tokens: int | None, at_least: bool = False) -> None:
         """The context and KV-cache limits; `at_least`: n_input is only a lower bound (pre-check)."""
-        if n_input == 0 and not at_least:
-            raise RequestError("the prompt is empty", param="prompt")
-        total = n_input + (max_new_tokens or 0)
-        many = "at least " if at_least else ""
-        if total > self.context_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.context_len} tokens. However, you requested "
-                f"{many}{total} tokens ({many}{n_input} in the prompt, {max_new_tokens or 0} for the completion).",
-                param="prompt" if n_input >= self.context_len else "max_tokens", code="context_length_exceeded")
-        if n_input + 1 > self.max_total_num_tokens - self.scheduler_info["page_size"]:
-            raise RequestError(f"the prompt ({many}{n_input} tokens) cannot fit in the KV cache "
-                               f"({self.max_total_num_tokens} tokens)", param="prompt",
-                               code="context_length_exceeded")
+        err = request_length_error(n_input, max_new_tokens, self.context_len, self.max_total_num_tokens,
+                                   self.scheduler_info["page_size"], at_least)
+        if err is not None:
+            raise RequestError(err.message, param=err.param, code=err.code)
 
     def prepare_sync(self, req: GenerateRequest) -> tuple[str, list[int], SamplingParams]:
         """Validate and tokenize (blocking: call through `prepare`); raises RequestError."""

@@ -1,0 +1,33 @@
+"""The request length rule, in one place: the tokenizer manager applies it before a request is
+queued (and, with a lower bound on the prompt's tokens, before tokenizing), the scheduler again on
+arrival (the offline Engine has no tokenizer manager)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LengthError:
+    message: str
+    param: str
+    code: str | None = None
+
+
+def request_length_error(n_input: int, max_new_tokens: int | None, context_len: int, max_total_tokens: int,
+                         page_size: int, at_least: bool = False) -> LengthError | None:
+    """Why a prompt of n_input tokens asking for max_new_tokens cannot run, or None. `at_least`:
+    n_input is only a lower bound (the pre-tokenization check)."""
+    if n_input == 0 and not at_least:
+        return LengthError("the prompt is empty", "prompt")
+    total = n_input + (max_new_tokens or 0)
+    many = "at least " if at_least else ""
+    if total > context_len:
+        return LengthError(
+            f"This model's maximum context length is {context_len} tokens. However, you requested "
+            f"{many}{total} tokens ({many}{n_input} in the prompt, {max_new_tokens or 0} for the completion).",
+            "prompt" if n_input >= context_len else "max_tokens", "context_length_exceeded")
+    if n_input + 1 > max_total_tokens - page_size:
+        return LengthError(f"the prompt ({many}{n_input} tokens) cannot fit in the KV cache ({max_total_tokens} "
+                           "tokens)", "prompt", "context_length_exceeded")
+    return None

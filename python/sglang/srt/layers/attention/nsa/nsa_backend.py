@@ -80,11 +80,11 @@ def topk_to_mask(topk: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 
 class NativeSparseAttnBackend(AttentionBackend):
-    def __init__(self, model_runner=None, mla_path: str | None = None, token_to_kv_pool=None) -> None:
-        mla_path = mla_path or (model_runner.server_args.mla_attn_path if model_runner is not None else "auto")
+    def __init__(self, model_runner) -> None:
+        mla_path = model_runner.server_args.mla_attn_path
         if mla_path not in MLA_PATHS:
             raise ValueError(f"mla_path {mla_path!r} not in {MLA_PATHS}")
-        self.pool = token_to_kv_pool if token_to_kv_pool is not None else model_runner.token_to_kv_pool
+        self.pool = model_runner.token_to_kv_pool
         self.mla_path = mla_path
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

@@ -79,7 +79,7 @@ class TritonNSABackend(AttentionBackend):
         cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         return int(min(CUDA_SCORE_BUDGET_MAX, (free + cached) // 4))
 
-    def _decode_metadata(self, bs: int, width: int, blocks: torch.Tensor) -> TritonNSAMetadata:
+    def _decode_metadata(self, width: int, blocks: torch.Tensor) -> TritonNSAMetadata:
         return TritonNSAMetadata(self.req_to_token_pool.req_to_token, width, blocks, 1, [], split=True)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -89,7 +89,7 @@ class TritonNSABackend(AttentionBackend):
             bs = fb.batch_size
             blocks = torch.stack([torch.arange(bs, device=fb.positions.device),
                                   torch.ones(bs, dtype=torch.int64, device=fb.positions.device)], 1).int()
-            fb.attn_metadata = self._decode_metadata(bs, width, blocks)
+            fb.attn_metadata = self._decode_metadata(width, blocks)
             return
         fb.attn_metadata = self._extend_metadata(fb, width)
 
@@ -131,7 +131,7 @@ class TritonNSABackend(AttentionBackend):
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         bs = forward_batch.batch_size
-        md = self._decode_metadata(bs, self.context_len, self._graph_blocks[:bs])
+        md = self._decode_metadata(self.context_len, self._graph_blocks[:bs])
         md.partial = self._graph_partial
         self._graph_md[bs] = md
         forward_batch.attn_metadata = md

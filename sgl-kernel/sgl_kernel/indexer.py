@@ -51,7 +51,7 @@ def _index_scores_kernel(
 
     M: tl.constexpr = BLOCK_T * H
     rows = tl.arange(0, M)
-    tok = rows // H
+    tok = (rows // H).to(tl.int64)  # (t0 + tok) * stride_qt must not wrap at long contexts
     head = rows % H
     rmask = tok < nt
     offs_d = tl.arange(0, D)

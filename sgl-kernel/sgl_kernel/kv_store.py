@@ -23,7 +23,7 @@ SCALE_BLOCK = 128
 @triton.jit
 def _store_mla_kv_kernel(KV, LOC, LAT, ROPE, stride_kv, stride_lat, stride_rope,
                          C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     slot = tl.load(LOC + t).to(tl.int64)
     oc = tl.arange(0, BLOCK_C)
     orr = tl.arange(0, BLOCK_R)
@@ -46,7 +46,7 @@ def store_mla_kv(kv_buffer: torch.Tensor, loc: torch.Tensor, latent: torch.Tenso
 @triton.jit
 def _store_index_k_kernel(BUF_DATA, BUF_F32, LOC, K, page_size, row_data, row_f32, scale_base, stride_k,
                           D: tl.constexpr, BLK: tl.constexpr, NB: tl.constexpr, FP8: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     slot = tl.load(LOC + t).to(tl.int64)
     page = slot // page_size
     off = slot % page_size

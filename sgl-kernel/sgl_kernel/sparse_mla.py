@@ -44,14 +44,15 @@ def _mla_fwd_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     SPARSE: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # offsets pass 2^31 at long contexts
     hb = tl.program_id(1)
     split = tl.program_id(2)
     req = tl.load(TOKEN_TO_REQ + t)
     row = tl.load(REQ_POOL_IDX + req).to(tl.int64)
     pos = tl.load(POSITIONS + t)
 
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    # int64: q_lat is a transposed bmm output whose head stride is T * C (2^25 at 64K tokens)
+    heads = (hb * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
     hmask = heads < num_heads
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
@@ -119,7 +120,7 @@ def _mla_combine_kernel(
     O_PART, LSE, O, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, C: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     smask = offs_s < NUM_SPLITS

@@ -44,8 +44,11 @@ def _index_scores_kernel(
         return
     req = tl.load(TOKEN_TO_REQ + t0)
     row = tl.load(REQ_POOL_IDX + req).to(tl.int64)
-    pos0 = tl.load(POSITIONS + t0)
-    n = pos0 + nt  # keys of the block's last token: 0 .. pos0 + nt - 1
+    # A block's tokens belong to one request but need not be consecutive (CP local layouts).
+    offs_t = tl.arange(0, BT_PAD)
+    tmask = offs_t < nt
+    pos_t = tl.load(POSITIONS + t0 + offs_t, mask=tmask, other=-1)
+    n = tl.max(pos_t, 0) + 1  # keys of the block's latest token: 0 .. max position
     if n <= skip_below:
         return
 
@@ -62,8 +65,6 @@ def _index_scores_kernel(
     w = tl.load(W + (t0 + tok) * stride_wt + head, mask=rmask, other=0.0)
     # The head-weighted sum is a second matmul: W [BT_PAD, M] holds token i's head weights in its
     # own columns, so sum_h w * relu(s) runs on tensor cores instead of a cross-thread reduction.
-    offs_t = tl.arange(0, BT_PAD)
-    tmask = offs_t < nt
     wmat = tl.where(tok[None, :] == offs_t[:, None], w[None, :], 0.0)  # [BT_PAD, M] fp32
 
     for kb in range(pid_s, tl.cdiv(n, BLOCK_N), NUM_SPLITS):
@@ -84,7 +85,7 @@ def _index_scores_kernel(
         if FP8:
             ks = tl.load(KSCALE + page * row_f32 + scale_base + off, mask=nmask, other=0.0)
             sc = sc * ks[None, :]
-        causal = offs_n[None, :] <= pos0 + offs_t[:, None]
+        causal = offs_n[None, :] <= pos_t[:, None]
         tl.store(OUT + (t0 - out_row0 + offs_t)[:, None] * stride_out + offs_n[None, :], sc,
                  mask=tmask[:, None] & nmask[None, :] & causal)
 
@@ -121,7 +122,7 @@ def index_scores(
 
     q [T, H, D] (bf16 / fp32), weights [T, H] fp32 (folded), index_k_buffer uint8
     [pages, page_size * bytes/token], blocks int32 [NB, 2] (first token, count <= block_t) whose
-    tokens share a request and have consecutive positions, out [T, W] fp32 with W > max position.
+    tokens share a request (any positions), out [T, W] fp32 with W > max position.
     """
     t, h, d = q.shape
     if h & (h - 1) or d & (d - 1):

@@ -22,6 +22,8 @@ LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 LOAD_FORMATS = ["auto", "safetensors", "dummy"]
 # Choices that name code live beside that code (import-light modules), so they cannot drift.
 from sglang.srt.layers.attention.attention_registry import (  # noqa: E402
+    CP_MODE_ALIASES,
+    CP_MODES,
     INDEX_K_DTYPE_NAMES,
     MLA_PATHS,
     NSA_BACKEND_CHOICES,
@@ -63,6 +65,29 @@ class ServerArgs:
                                   "CUDA and a graph-capturable decode backend: triton).", "runtime")
     cuda_graph_max_bs: int = _f(160, "Largest decode batch captured in a CUDA graph; larger batches run "
                                 "eagerly.", "runtime")
+
+    # -- parallelism (ranks are processes; several nodes start the same command) ------------
+    attn_cp_size: int = _f(1, "Attention context-parallel size: ranks that split a prefill's tokens (needs "
+                           "--enable-nsa-prefill-context-parallel; equals --tp-size).", "parallel")
+    enable_nsa_prefill_context_parallel: bool = _f(False, "Split prefill (and decode) tokens over the --attn-cp-size "
+                                                   "ranks with shared KV: each rank stores the KV pages it computed.",
+                                                   "parallel", aliases=["--enable-prefill-cp"])
+    nsa_prefill_cp_mode: str = _f("round-robin-split", "CP token split: in-seq-split (zigzag: 2 x cp blocks, rank r "
+                                  "takes blocks r and 2cp-1-r, page-aligned) or round-robin-split (token/page i -> "
+                                  "rank i %% cp); --cp-strategy zigzag / interleave are upstream's newer names.",
+                                  "parallel", [*CP_MODES, *CP_MODE_ALIASES],
+                                  aliases=["--cp-strategy"])
+    ep_size: int = _f(1, "Expert-parallel size: MoE experts sharded over this many ranks (1 or --tp-size).",
+                      "parallel")
+    moe_a2a_backend: str = _f("none", "Expert-parallel token dispatch under CP: none (all-to-all over "
+                              "torch.distributed) or deepep (needs the deep_ep package).", "parallel",
+                              ["none", "deepep"])
+    nnodes: int = _f(1, "Number of nodes; start the same command on each with its --node-rank.", "parallel")
+    node_rank: int = _f(0, "This node's rank (0 serves HTTP).", "parallel")
+    dist_init_addr: str | None = _f(None, "host:port of node 0 for torch.distributed (needed with --nnodes > 1).",
+                                    "parallel")
+    dist_timeout: int = _f(300, "Seconds a collective may wait for the other ranks before this rank fails "
+                           "(a dead rank then stops the server instead of hanging it).", "parallel")
 
     # -- memory -----------------------------------------------------------------------------
     mem_fraction_static: float = _f(0.85, "Fraction of GPU memory for weights + KV cache.", "memory")
@@ -126,11 +151,12 @@ class ServerArgs:
             flag = "--" + f.name.replace("_", "-")
             # argparse %-formats help text (for %(default)s); a literal % must not be read as a code.
             help_text = md["help"].replace("%", "%%")
+            flags = [flag, *md.get("aliases", [])]
             if f.type in ("bool", bool):
-                g.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                g.add_argument(*flags, action="store_true", default=f.default, help=help_text, dest=f.name)
                 continue
             kind = _cli_type(f.type)
-            g.add_argument(flag, type=kind, default=f.default, choices=md.get("choices"), help=help_text,
+            g.add_argument(*flags, type=kind, default=f.default, choices=md.get("choices"), help=help_text,
                            required=md.get("required", False), dest=f.name)
 
     @classmethod
@@ -162,6 +188,7 @@ class ServerArgs:
             served_model_name=self.served_model_name or self.model_path,
             random_seed=self.random_seed if self.random_seed is not None else random.randint(0, 2**30),
             page_size=self.page_size or (64 if device == "cuda" else 1),
+            nsa_prefill_cp_mode=CP_MODE_ALIASES.get(self.nsa_prefill_cp_mode, self.nsa_prefill_cp_mode),
         )
         if out.chunked_prefill_size > 0 and out.chunked_prefill_size % out.page_size:
             raise ServerArgsError("chunked_prefill_size", f"must be a multiple of --page-size {out.page_size}")
@@ -285,7 +312,42 @@ def _check_nsa(args: ServerArgs) -> None:
             raise ServerArgsError("nsa_index_topk_pattern", "conflicts with --nsa-index-topk-freq; give one schedule")
 
 
-_VALIDATORS = [_check_model, _check_runtime, _check_memory, _check_scheduling, _check_http, _check_logging,
+def _check_parallel(args: ServerArgs) -> None:
+    for name in ("attn_cp_size", "ep_size", "nnodes", "dist_timeout"):
+        _positive(args, name, allow_none=False)
+    _choice(args, "nsa_prefill_cp_mode")
+    _choice(args, "moe_a2a_backend")
+    tp = args.tp_size
+    if args.enable_nsa_prefill_context_parallel:
+        if args.attn_cp_size != tp:
+            raise ServerArgsError("attn_cp_size", f"must equal --tp-size ({tp}) with context parallel "
+                                  f"(attention runs CP over all ranks), got {args.attn_cp_size}")
+        if args.enable_two_batch_overlap:
+            raise ServerArgsError("enable_two_batch_overlap", "is not supported with context parallel")
+    elif args.attn_cp_size != 1:
+        raise ServerArgsError("attn_cp_size", "needs --enable-nsa-prefill-context-parallel")
+    if args.ep_size not in (1, tp):
+        raise ServerArgsError("ep_size", f"must be 1 or --tp-size ({tp}), got {args.ep_size}")
+    if args.moe_a2a_backend == "deepep":
+        if args.ep_size == 1 or not args.enable_nsa_prefill_context_parallel:
+            raise ServerArgsError("moe_a2a_backend", "deepep dispatches tokens between expert-parallel ranks: "
+                                  "it needs --ep-size > 1 and --enable-nsa-prefill-context-parallel")
+        import importlib.util
+
+        if importlib.util.find_spec("deep_ep") is None:
+            raise ServerArgsError("moe_a2a_backend", "deepep needs the 'deep_ep' package, which is not installed "
+                                  "(build it from github.com/deepseek-ai/DeepEP, or use --moe-a2a-backend none)")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ServerArgsError("node_rank", f"must be in [0, --nnodes {args.nnodes}), got {args.node_rank}")
+    if tp % args.nnodes:
+        raise ServerArgsError("nnodes", f"--tp-size {tp} must be a multiple of --nnodes {args.nnodes}")
+    if args.nnodes > 1:
+        host, _, port = (args.dist_init_addr or "").rpartition(":")
+        if not host or not port.isdigit():
+            raise ServerArgsError("dist_init_addr", f"needs host:port with --nnodes > 1, got {args.dist_init_addr!r}")
+
+
+_VALIDATORS = [_check_model, _check_runtime, _check_parallel, _check_memory, _check_scheduling, _check_http, _check_logging,
                _check_nsa]
 
 

@@ -196,8 +196,16 @@ def model_config_from_server_args(sa) -> "ModelConfig":
     except ValueError as e:
         raise ServerArgsError("model_path", str(e)) from None
     heads = mc.hf_config.num_attention_heads
-    if heads % sa.tp_size:
+    attn_tp = 1 if sa.enable_nsa_prefill_context_parallel else sa.tp_size  # CP replicates attention
+    if heads % attn_tp:
         raise ServerArgsError("tp_size", f"{sa.tp_size} does not divide num_attention_heads {heads}")
+    experts = getattr(mc.hf_config, "n_routed_experts", None) or 0
+    if sa.ep_size > 1 and experts % sa.ep_size:
+        raise ServerArgsError("ep_size", f"{sa.ep_size} does not divide n_routed_experts {experts}")
+    if sa.ep_size == 1 and not sa.enable_nsa_prefill_context_parallel and experts:
+        inter = mc.hf_config.moe_intermediate_size
+        if inter % sa.tp_size:
+            raise ServerArgsError("tp_size", f"{sa.tp_size} does not divide moe_intermediate_size {inter}")
     triton = [f for f in ("nsa_prefill_backend", "nsa_decode_backend") if getattr(sa, f) == "triton"]
     if mc.is_dsa and triton:
         idx_heads = mc.index_n_heads

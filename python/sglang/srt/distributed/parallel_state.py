@@ -7,6 +7,7 @@ a single-rank group is a no-op so the same model code runs without torch.distrib
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -47,13 +48,22 @@ SINGLE_GROUP = GroupCoordinator()
 
 
 def init_distributed(
-    world_size: int, rank: int, init_method: str, backend: str | None = None
+    world_size: int, rank: int, init_method: str, backend: str | None = None, timeout_s: float = 300
 ) -> GroupCoordinator:
-    """Start torch.distributed for one TP group spanning all ranks of this server."""
+    """Start torch.distributed for one group spanning all ranks of this server (TP, or CP for
+    attention with EP for the experts: the same ranks). A collective that waits longer than
+    `timeout_s` for a rank fails, so a dead rank stops the others instead of hanging them."""
     if world_size == 1:
         return SINGLE_GROUP
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank)
+        dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,
+                                timeout=timedelta(seconds=timeout_s))
     return GroupCoordinator(rank=rank, world_size=world_size, group=dist.group.WORLD)
+
+
+def node_ranks(world_size: int, nnodes: int, node_rank: int) -> range:
+    """The global ranks a node runs (upstream's layout: node k runs a contiguous block)."""
+    per = world_size // nnodes
+    return range(node_rank * per, (node_rank + 1) * per)

@@ -41,18 +41,21 @@ def _start_children(sa: ServerArgs, port_args: PortArgs) -> tuple[list, dict]:
     from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
     from sglang.srt.managers.scheduler_process import run_scheduler_process
 
+    from sglang.srt.distributed.parallel_state import node_ranks
+
     ctx = mp.get_context("spawn")
     procs, readers = [], []
-    for rank in range(sa.tp_size):
+    for rank in node_ranks(sa.tp_size, sa.nnodes, sa.node_rank):
         reader, writer = ctx.Pipe(duplex=False)
         p = ctx.Process(target=run_scheduler_process, args=(sa, port_args, rank, writer), daemon=True,
                         name=f"scheduler-TP{rank}")
         p.start()
         procs.append(p)
         readers.append(reader)
-    detok = ctx.Process(target=run_detokenizer_process, args=(sa, port_args), daemon=True, name="detokenizer")
-    detok.start()
-    procs.append(detok)
+    if sa.node_rank == 0:  # other nodes run scheduler ranks only; node 0 serves HTTP
+        detok = ctx.Process(target=run_detokenizer_process, args=(sa, port_args), daemon=True, name="detokenizer")
+        detok.start()
+        procs.append(detok)
 
     infos: list[dict | None] = [None] * len(readers)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -135,6 +138,9 @@ def launch_server(server_args: ServerArgs) -> int:
     procs: list = []
     try:
         procs, info = _start_children(sa, port_args)
+        if sa.node_rank > 0:
+            logger.info("node %d of %d: scheduler ranks ready; serving continues on node 0", sa.node_rank, sa.nnodes)
+            _watchdog(procs)  # returns only by exiting (a rank died, or node 0 stopped)
         info["architecture"] = mc.architecture
         logger.info("KV cache capacity: %d tokens (page size %d), max running requests %d, context length %d",
                     info["max_total_num_tokens"], info["page_size"], info["max_running_requests"],

@@ -35,7 +35,7 @@ IDLE_POLL_MS = 1000
 class SchedulerProcess:
     def __init__(self, scheduler: Scheduler, port_args: PortArgs, tp_rank: int) -> None:
         self.scheduler, self.tp_rank = scheduler, tp_rank
-        self.tp_group = scheduler.model_runner.tp_group
+        self.tp_group = scheduler.model_runner.world_group  # every rank of the server
         if tp_rank == 0:
             ctx = zmq.Context(2)
             self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, True)
@@ -93,9 +93,10 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
         import torch
 
         # Ranks share the cores: oversubscribed OpenMP threads spin and slow everyone down.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // server_args.tp_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) * server_args.nnodes // server_args.tp_size))
     try:
-        tp_group = init_distributed(server_args.tp_size, tp_rank, port_args.dist_init_method)
+        init = f"tcp://{server_args.dist_init_addr}" if server_args.nnodes > 1 else port_args.dist_init_method
+        tp_group = init_distributed(server_args.tp_size, tp_rank, init, timeout_s=server_args.dist_timeout)
         tokenizer = load_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
         scheduler = Scheduler(server_args, tokenizer=tokenizer, tp_group=tp_group)
         proc = SchedulerProcess(scheduler, port_args, tp_rank)

@@ -76,15 +76,23 @@ class PagedTokenToKVPoolAllocator:
         Returns None (and allocates nothing) when there are not enough free pages.
         """
         p = self.page_size
+        self._check_extend(prefix_lens, seq_lens, last_locs)
+        need = sum(cdiv(s, p) - cdiv(pl, p) for pl, s in zip(prefix_lens, seq_lens))
+        pages = self._take_pages(need)
+        return None if pages is None else self._extend_slots(prefix_lens, seq_lens, last_locs, pages)
+
+    @staticmethod
+    def _check_extend(prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> None:
         if len(prefix_lens) != len(seq_lens) or len(seq_lens) != len(last_locs):
             raise ValueError("alloc_extend needs one prefix_len, seq_len and last_loc per request")
         if any(s < pl or pl < 0 for pl, s in zip(prefix_lens, seq_lens)):
             # A negative page count would make _take_pages hand out (almost) all free pages.
             raise ValueError(f"alloc_extend needs 0 <= prefix_len <= seq_len, got {list(zip(prefix_lens, seq_lens))[:8]}")
-        need = sum(cdiv(s, p) - cdiv(pl, p) for pl, s in zip(prefix_lens, seq_lens))
-        pages = self._take_pages(need)
-        if pages is None:
-            return None
+
+    def _extend_slots(self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int],
+                      pages: torch.Tensor) -> torch.Tensor:
+        """The slots of each request's new tokens: the tail of its last page, then `pages` in order."""
+        p = self.page_size
         out, cursor = [], 0
         ar = torch.arange(p)
         for pl, s, last in zip(prefix_lens, seq_lens, last_locs):
@@ -121,3 +129,97 @@ class PagedTokenToKVPoolAllocator:
 
 def TokenToKVPoolAllocator(size: int, device: str = "cpu") -> PagedTokenToKVPoolAllocator:
     return PagedTokenToKVPoolAllocator(size, 1, device)
+
+
+class CPPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
+    """Logical KV pages for context parallel with shared KV (see nsa.utils for the page map).
+
+    The scheduler is identical on every CP rank, so this allocator is too: it hands out logical
+    pages whose owner (`page_owner`) is the rank the CP split assigns to compute them, so a page
+    is written by the rank that stores it. One free list per owner; an allocation that one owner
+    cannot serve fails as a whole (the scheduler then evicts or waits, as for a full pool)."""
+
+    def __init__(self, size: int, page_size: int, cp_size: int, cp_mode: str, device: str = "cpu") -> None:
+        self.cp_size, self.cp_mode = cp_size, cp_mode
+        pages = size // page_size // cp_size * cp_size  # every owner gets the same number of pages
+        if pages < cp_size:
+            raise ValueError(f"KV pool of {size} tokens is too small for {cp_size} CP ranks of page {page_size}")
+        super().__init__(pages * page_size, page_size, device)
+
+    def clear(self) -> None:
+        super().clear()
+        from sglang.srt.layers.attention.nsa.utils import page_owner
+
+        owners = torch.tensor([page_owner(p, self.cp_size) for p in range(1, self.num_pages + 1)])
+        self.free_by_owner = [self.free_pages[owners == o] for o in range(self.cp_size)]
+
+    def available_size(self) -> int:
+        return sum(len(f) for f in self.free_by_owner) * self.page_size
+
+    def owned_pages(self) -> list[int]:
+        """Pages in use per owner (what each rank stores)."""
+        per = self.num_pages // self.cp_size
+        return [per - len(f) for f in self.free_by_owner]
+
+    def _take_owned(self, owners: list[int]) -> torch.Tensor | None:
+        need = [0] * self.cp_size
+        for o in owners:
+            need[o] += 1
+        if any(n > len(f) for n, f in zip(need, self.free_by_owner)):
+            return None
+        taken = []
+        for o in range(self.cp_size):
+            taken.append(self.free_by_owner[o][: need[o]])
+            self.free_by_owner[o] = self.free_by_owner[o][need[o] :]
+        cursor = [0] * self.cp_size
+        out = []
+        for o in owners:
+            out.append(int(taken[o][cursor[o]]))
+            cursor[o] += 1
+        pages = torch.tensor(out, dtype=torch.int64)
+        self._is_free[pages] = False
+        return pages
+
+    def _take_pages(self, n: int) -> torch.Tensor | None:
+        raise NotImplementedError("CP pages are taken per owner (alloc_extend / alloc_decode)")
+
+    def free(self, indices: torch.Tensor) -> None:
+        if indices is None or indices.numel() == 0:
+            return
+        before = self._is_free.clone()
+        super().free(indices)  # checks, marks free, appends to free_pages (unused here)
+        pages = torch.nonzero(self._is_free & ~before).flatten()  # host bookkeeping, not the forward
+        for o in range(self.cp_size):
+            mine = pages[(pages - 1) % self.cp_size == o]  # page_owner(p) == o
+            if len(mine):
+                self.free_by_owner[o] = torch.cat([self.free_by_owner[o], mine])
+        self.free_pages = self.free_pages[:0]
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        return self.alloc_extend([0], [need_size], [-1])
+
+    def alloc_extend(self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
+        from sglang.srt.layers.attention.nsa.utils import page_owner, split_request
+
+        p = self.page_size
+        self._check_extend(prefix_lens, seq_lens, last_locs)
+        owners = []
+        for pl, s, last in zip(prefix_lens, seq_lens, last_locs):
+            prev = page_owner(last // p, self.cp_size) if pl % p and s > pl else None
+            owners += split_request(pl, s - pl, p, self.cp_size, self.cp_mode, prev).new_page_owners
+        pages = self._take_owned(owners)
+        return None if pages is None else self._extend_slots(prefix_lens, seq_lens, last_locs, pages)
+
+    def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
+        from sglang.srt.layers.attention.nsa.utils import new_page_owner
+
+        if len(seq_lens) != len(last_locs):
+            raise ValueError("alloc_decode needs one seq_len and last_loc per request")
+        p = self.page_size
+        fresh = [(s - 1) % p == 0 for s in seq_lens]
+        pages = self._take_owned([new_page_owner((s - 1) // p, self.cp_size) for s, f in zip(seq_lens, fresh) if f])
+        if pages is None:
+            return None
+        it = iter(pages.tolist())
+        out = [next(it) * p if f else last + 1 for f, last in zip(fresh, last_locs)]
+        return torch.tensor(out, dtype=torch.int64).to(self.device)

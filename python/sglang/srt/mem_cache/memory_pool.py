@@ -12,6 +12,8 @@ Slot 0..page_size-1 (page 0) is the padding page: padded tokens write there.
 
 from __future__ import annotations
 
+import copy
+
 from abc import ABC, abstractmethod
 from typing import Protocol
 
@@ -211,6 +213,21 @@ class MLATokenToKVPool(KVCache):
         if tuple(data.shape) != expect:
             raise ValueError(f"layer {layer_id}: MLA pages must be {expect}, got {tuple(data.shape)}")
         self._paged(layer_id)[pages] = data.to(self.dtype).to(self.kv_buffer[layer_id].device)
+
+    def layer_view(self, layer_id: int, kv: torch.Tensor | None = None,
+                   index_rows: torch.Tensor | None = None) -> "MLATokenToKVPool":
+        """A pool of the same geometry whose layer `layer_id` reads the given buffers (MLA KV
+        [pages * page_size + page_size, 1, dim]; index-K rows [pages + 1, page bytes]): the
+        transient full-context view context parallel attends over. Nothing else is readable."""
+        view = copy.copy(self)
+        view.layer_transfer_counter = None  # the buffers are built from already-waited layers
+        view.kv_buffer = {layer_id: kv} if kv is not None else {}
+        view.size = (kv.shape[0] if kv is not None else index_rows.shape[0] * self.page_size) - self.page_size
+        if hasattr(self, "index_k_with_scale_buffer"):
+            view.index_k_with_scale_buffer = [index_rows] if index_rows is not None else []
+            view.index_layer_ids = [layer_id] if index_rows is not None else []
+            view.index_layer_map = {layer_id: 0} if index_rows is not None else {}
+        return view
 
     def kv_bytes_per_token(self) -> int:
         return self.layer_num * self.kv_cache_dim * self.dtype.itemsize

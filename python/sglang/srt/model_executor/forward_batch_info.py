@@ -64,6 +64,9 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
+    # Host copy of positions when a request's rows are not consecutive (CP local layouts);
+    # None means positions follow extend_prefix_lens + offset.
+    positions_cpu: list[int] | None = None
 
     # Logprobs: per request, the first position whose input logprob is wanted (-1: none).
     return_logprob: bool = False
@@ -75,6 +78,11 @@ class ForwardBatch:
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     # Speculative decoding: the target's hidden states the NextN draft layer consumes ([T, H]).
     spec_hidden_states: torch.Tensor | None = None
+
+    # Host copies of the per-token / per-request rows (CPU tensors), for host-side re-layouts (CP).
+    host_rows: dict[str, torch.Tensor] | None = None
+    # Context parallel: this rank's share of the batch (nsa.cp_backend.CPMetadata), else None.
+    cp_metadata: Any = None
 
     # Set by the model runner.
     req_to_token_pool: Any = None
@@ -127,6 +135,7 @@ class ForwardBatch:
         return cls(
             forward_mode=forward_mode,
             batch_size=b,
+            host_rows=rows,
             seq_lens_cpu=[p + e for p, e in zip(prefix_lens, extend_lens)],
             extend_seq_lens_cpu=list(extend_lens),
             extend_prefix_lens_cpu=list(prefix_lens),

@@ -32,17 +32,34 @@ CPU_KV_MEMORY_FRACTION = 0.25
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs,
                  tp_group: GroupCoordinator = SINGLE_GROUP) -> None:
-        self.model_config, self.server_args, self.tp_group = model_config, server_args, tp_group
-        self.device = server_args.device
-        self.page_size = server_args.page_size
-        self.model = get_model(model_config, self.device, tp_group, server_args.load_format)
-        set_moe_runner_backend(self.model, server_args.moe_runner_backend)
+        """`tp_group`: all ranks of this server. Under context parallel (CP) attention runs CP over
+        them with replicated weights, so the model's TP group is a single rank."""
+        sa = server_args
+        self.model_config, self.server_args, self.world_group = model_config, sa, tp_group
+        self.cp_group = tp_group if sa.enable_nsa_prefill_context_parallel and tp_group.world_size > 1 else None
+        self.tp_group = SINGLE_GROUP if self.cp_group is not None else tp_group
+        self.device = sa.device
+        self.page_size = sa.page_size
+        parallel = {}
+        if sa.ep_size > 1:
+            parallel = dict(ep_group=tp_group, moe_dispatch=("local" if self.cp_group is None else
+                                                             "deepep" if sa.moe_a2a_backend == "deepep" else
+                                                             "all_to_all"))
+        self.model = get_model(model_config, self.device, self.tp_group, sa.load_format, **parallel)
+        set_moe_runner_backend(self.model, sa.moe_runner_backend)
         self.sampler = Sampler()
         self.init_memory_pool()
-        self.attn_backend = create_hybrid_backend(server_args.nsa_prefill_backend, server_args.nsa_decode_backend,
-                                                  self)
+        self.attn_backend = create_hybrid_backend(sa.nsa_prefill_backend, sa.nsa_decode_backend, self)
+        if self.cp_group is not None:
+            from sglang.srt.layers.attention.nsa.cp_backend import CommCounter, NSAContextParallelBackend
+
+            self.attn_backend = NSAContextParallelBackend(self.attn_backend, self.token_to_kv_pool)
+            self.cp_counter = CommCounter()
         self.cuda_graph_runner = None
-        if self.device == "cuda" and not server_args.disable_cuda_graph:
+        if self.cp_group is not None:
+            logger.info("context parallel over %d ranks (%s, page size %d): decode runs eagerly",
+                        self.cp_group.world_size, sa.nsa_prefill_cp_mode, self.page_size)
+        elif self.device == "cuda" and not server_args.disable_cuda_graph:
             if self.attn_backend.supports_cuda_graph:
                 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 
@@ -78,15 +95,24 @@ class ModelRunner:
 
     def init_memory_pool(self) -> None:
         sa, mc = self.server_args, self.model_config
-        tokens = sa.max_total_tokens or self.profile_max_num_tokens()
-        tokens = tokens // self.page_size * self.page_size
-        if tokens < self.page_size:
+        cp = self.cp_group.world_size if self.cp_group is not None else 1
+        # Under CP the capacity is logical (the server's): each rank stores 1/cp of the pages.
+        tokens = sa.max_total_tokens or self.profile_max_num_tokens() * cp
+        tokens = tokens // (self.page_size * cp) * self.page_size * cp
+        if tokens < self.page_size * cp:
             raise RuntimeError(f"KV cache too small: {tokens} tokens")
         self.max_total_num_tokens = tokens
         self.max_running_requests = sa.max_running_requests or min(256, max(1, tokens // 2))
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, mc.context_len + 1, self.device)
-        self.token_to_kv_pool = self._make_kv_pool(tokens)
-        self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(tokens, self.page_size, self.device)
+        self.token_to_kv_pool = self._make_kv_pool(tokens // cp)
+        if cp > 1:
+            from sglang.srt.mem_cache.allocator import CPPagedTokenToKVPoolAllocator
+
+            # host slots: the CP split re-lays them out on the host before the upload
+            self.token_to_kv_pool_allocator = CPPagedTokenToKVPoolAllocator(tokens, self.page_size, cp,
+                                                                            sa.nsa_prefill_cp_mode, "cpu")
+        else:
+            self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(tokens, self.page_size, self.device)
         kv_gib = self.token_to_kv_pool.get_kv_size_bytes() / 2**30
         logger.info("KV cache: %d tokens (page size %d, %.3f GiB, %d B/token), max running requests %d",
                     tokens, self.page_size, kv_gib, self.token_to_kv_pool.kv_bytes_per_token(),
@@ -114,8 +140,21 @@ class ModelRunner:
         forward_batch.attn_backend = self.attn_backend
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
             return self.cuda_graph_runner.replay(forward_batch)
+        if self.cp_group is not None:
+            from sglang.srt.layers.attention.nsa.cp_backend import build_cp_forward_batch
+
+            forward_batch = build_cp_forward_batch(forward_batch, self.req_to_token_pool.req_to_token_cpu,
+                                                   self.cp_group, self.server_args.nsa_prefill_cp_mode,
+                                                   self.page_size, self.cp_counter)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def kv_pages_stored(self) -> int:
+        """KV pages this rank holds data for (under CP: only the pages it owns)."""
+        alloc = self.token_to_kv_pool_allocator
+        if self.cp_group is not None:
+            return alloc.owned_pages()[self.cp_group.rank]
+        return alloc.num_pages - alloc.available_size() // self.page_size
 
     @torch.inference_mode()
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch):

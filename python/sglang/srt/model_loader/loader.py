@@ -46,11 +46,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
 
 
 def get_model(model_config: ModelConfig, device: str = "cpu", tp_group: GroupCoordinator = SINGLE_GROUP,
-              load_format: str = "auto") -> nn.Module:
+              load_format: str = "auto", **parallel: object) -> nn.Module:
+    """`parallel`: expert-parallel options for the model class (ep_group, moe_dispatch)."""
     cls = resolve_model_class(model_config.architecture)
     t0 = time.perf_counter()
     with default_dtype(model_config.dtype), torch.device(device):
-        model = cls(model_config.hf_config, max_position=model_config.context_len, tp_group=tp_group)
+        model = cls(model_config.hf_config, max_position=model_config.context_len, tp_group=tp_group, **parallel)
     if load_format == "dummy":
         init_dummy_weights(model)
         model.post_load_weights()

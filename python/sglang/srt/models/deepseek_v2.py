@@ -42,10 +42,15 @@ from sglang.srt.layers.moe.topk import TopKConfig, select_experts
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, yarn_softmax_scale_multiplier
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.layers.attention.nsa.cp_backend import cp_all_gather_hidden, cp_collect_last_token_hidden
+from sglang.srt.layers.moe.token_dispatcher import create_dispatcher
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+from sglang.srt.utils.common import get_bool_env
 from sglang.srt.model_loader.weight_utils import check_weights_complete
 
 logger = logging.getLogger(__name__)
+# Debug / tests: fill CP compute-padding rows with garbage before every layer (outputs must not change).
+CP_POISON_PADDING = get_bool_env("SGLANG_CP_POISON_PADDING")
 
 
 class DeepseekV2MLP(nn.Module):
@@ -77,7 +82,11 @@ class MoEGate(nn.Module):
 
 
 class DeepseekV2MoE(nn.Module):
-    def __init__(self, config, tp_group: GroupCoordinator = SINGLE_GROUP, dtype=None) -> None:
+    def __init__(self, config, tp_group: GroupCoordinator = SINGLE_GROUP, dtype=None,
+                 ep_group: GroupCoordinator = SINGLE_GROUP, dispatch: str = "local") -> None:
+        """Expert parallelism: under TP every rank holds every token, so experts split over
+        ep_group need no dispatch (their partial sums join the TP all-reduce); under CP tokens differ
+        per rank and move to their experts' ranks (`dispatch`: all_to_all or deepep)."""
         super().__init__()
         self.tp_group = tp_group
         n_experts = config.n_routed_experts
@@ -92,8 +101,10 @@ class DeepseekV2MoE(nn.Module):
         )
         topk_method = getattr(config, "topk_method", "noaux_tc")
         self.gate = MoEGate(config.hidden_size, n_experts, has_bias=topk_method == "noaux_tc", dtype=dtype)
-        self.experts = FusedMoE(n_experts, config.hidden_size, config.moe_intermediate_size, tp_group=tp_group,
-                                dtype=dtype)
+        ep_tp = SINGLE_GROUP if ep_group.world_size > 1 else tp_group  # EP experts are whole, not TP-sharded
+        self.experts = FusedMoE(n_experts, config.hidden_size, config.moe_intermediate_size, tp_group=ep_tp,
+                                dispatcher=create_dispatcher(dispatch, ep_group, n_experts), dtype=dtype,
+                                ep_group=ep_group)
         n_shared = getattr(config, "n_shared_experts", 0) or 0
         self.shared_experts = (
             DeepseekV2MLP(config.hidden_size, config.moe_intermediate_size * n_shared, tp_group,
@@ -101,6 +112,15 @@ class DeepseekV2MoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, forward_batch: ForwardBatch | None = None) -> torch.Tensor:
+        cp = forward_batch.cp_metadata if forward_batch is not None else None
+        if cp is not None:
+            # CP compute padding: valid rows are interleaved with dummy lane rows. Only valid rows
+            # reach the gate, top-k and dispatch; the padded layout is restored afterwards.
+            out = torch.zeros_like(hidden_states)
+            return out.index_copy_(0, cp.valid_idx, self._forward(hidden_states.index_select(0, cp.valid_idx)))
+        return self._forward(hidden_states)
+
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk = select_experts(self.gate(hidden_states), self.topk_config, self.gate.e_score_correction_bias)
         out = self.experts(hidden_states, topk)
         if self.shared_experts is not None:
@@ -197,7 +217,8 @@ class DeepseekV2AttentionMLA(nn.Module):
 class DeepseekV2DecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, arch: "type[DeepseekV2ForCausalLM]", max_position: int,
                  tp_group: GroupCoordinator = SINGLE_GROUP, dtype=None, is_nextn: bool = False,
-                 kv_layer_id: int | None = None) -> None:
+                 kv_layer_id: int | None = None, ep_group: GroupCoordinator = SINGLE_GROUP,
+                 moe_dispatch: str = "local") -> None:
         """`layer_id`: the checkpoint layer (MoE / IndexCache role); `kv_layer_id`: the layer's slot
         in its KV pool (differs for the NextN layer, whose draft pool has one layer)."""
         super().__init__()
@@ -206,7 +227,7 @@ class DeepseekV2DecoderLayer(nn.Module):
             config, layer_id if kv_layer_id is None else kv_layer_id, arch.indexer_rope_interleaved,
             arch.index_role(config, layer_id, is_nextn), max_position, tp_group, dtype)
         if is_moe_layer(config, layer_id):
-            self.mlp = DeepseekV2MoE(config, tp_group, dtype)
+            self.mlp = DeepseekV2MoE(config, tp_group, dtype, ep_group, moe_dispatch)
         else:
             self.mlp = DeepseekV2MLP(config.hidden_size, config.intermediate_size, tp_group, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -242,12 +263,13 @@ def is_moe_layer(config, layer_id: int) -> bool:
 
 class DeepseekV2Model(nn.Module):
     def __init__(self, config, arch, max_position: int, tp_group: GroupCoordinator = SINGLE_GROUP,
-                 dtype=None) -> None:
+                 dtype=None, ep_group: GroupCoordinator = SINGLE_GROUP, moe_dispatch: str = "local") -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group, dtype=dtype)
         self.layers = nn.ModuleList([
-            DeepseekV2DecoderLayer(config, i, arch, max_position, tp_group, dtype)
+            DeepseekV2DecoderLayer(config, i, arch, max_position, tp_group, dtype, ep_group=ep_group,
+                                   moe_dispatch=moe_dispatch)
             for i in range(config.num_hidden_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -256,7 +278,12 @@ class DeepseekV2Model(nn.Module):
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual, topk_indices = None, None
+        poison = forward_batch.cp_metadata is not None and CP_POISON_PADDING
         for layer in self.layers:
+            if poison:  # debug: garbage in the CP dummy rows must not reach any real row
+                for x in (hidden_states, residual):
+                    if x is not None:
+                        x.index_fill_(0, forward_batch.cp_metadata.dummy_idx, 1e4)
             hidden_states, residual, topk_indices = layer(positions, hidden_states, residual, forward_batch,
                                                           topk_indices)
         if hidden_states.shape[0] == 0:
@@ -309,11 +336,12 @@ class DeepseekV2ForCausalLM(nn.Module):
         return NO_INDEXER
 
     def __init__(self, config, max_position: int | None = None, tp_group: GroupCoordinator = SINGLE_GROUP,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, ep_group: GroupCoordinator = SINGLE_GROUP,
+                 moe_dispatch: str = "local") -> None:
         super().__init__()
         self.config = config
         max_position = max_position or config.max_position_embeddings
-        self.model = DeepseekV2Model(config, type(self), max_position, tp_group, dtype)
+        self.model = DeepseekV2Model(config, type(self), max_position, tp_group, dtype, ep_group, moe_dispatch)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group, dtype=dtype)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.num_layers = config.num_hidden_layers
@@ -324,7 +352,22 @@ class DeepseekV2ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        cp = forward_batch.cp_metadata
+        if cp is None:
+            return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        if self._should_use_narrow_output_path(cp.global_batch):
+            last = cp_collect_last_token_hidden(hidden_states, cp)
+            return self.logits_processor(last, self.lm_head, cp.global_batch, pruned=True)
+        return self.logits_processor(cp_all_gather_hidden(hidden_states, cp), self.lm_head, cp.global_batch)
+
+    @staticmethod
+    def _should_use_narrow_output_path(forward_batch: ForwardBatch) -> bool:
+        """Under CP only each request's last-token hidden state is gathered, unless something needs
+        every position: input logprobs, all logits, or full hidden-state capture (EAGLE draft extend)."""
+        wants_input_logprobs = forward_batch.return_logprob and forward_batch.forward_mode.is_extend() and any(
+            s >= 0 for s in forward_batch.logprob_start_lens_cpu)
+        return not (wants_input_logprobs or forward_batch.return_all_logits
+                    or forward_batch.capture_hidden_mode == CaptureHiddenMode.FULL)
 
     # -- weights ------------------------------------------------------------------------------
     def _ignored_weight(self, name: str) -> bool:

@@ -138,14 +138,18 @@ def _scores_ref(q, w, keys_of, tok_req, pos, width, fp8: bool):
                                                    ("float32", torch.float32)])
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("block_t", [1, 4])
-def test_index_scores_match_reference(index_k_dtype, q_dtype, page_size, block_t):
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_index_scores_match_reference(index_k_dtype, q_dtype, page_size, block_t, shuffle):
     """bf16 queries with FP8 keys take the FP8 x FP8 tensor-core path (FP8 query values are exact
-    in bf16); fp32 the exact one. Either way the products are exact and only the sums round."""
+    in bf16); fp32 the exact one. Either way the products are exact and only the sums round.
+    `shuffle`: a request's rows in any position order (a CP rank's local rows are not consecutive)."""
     g = _gen(5)
     h, d = 16, 64
     seq, ext = [70, 9, 133], [30, 9, 1]
     pool = NSATokenToKVPool(512, page_size, torch.float32, 16, 8, 1, d, index_k_dtype)
     r2t, pidx, tok_req, pos = _batch(seq, ext, 448, g)
+    if shuffle:
+        pos = torch.cat([seg[torch.randperm(len(seg), generator=g)] for seg in pos.split(ext)])
     r2t = r2t + page_size  # keep clear of the padding page
     keys_of = []
     for r, n in zip(pidx.tolist(), seq):

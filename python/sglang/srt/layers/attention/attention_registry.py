@@ -21,6 +21,8 @@ ATTENTION_BACKENDS: dict[str, str] = {
 NSA_BACKEND_CHOICES = ["auto", *ATTENTION_BACKENDS]
 MLA_PATHS = ["auto", "plain", "absorbed"]  # the torch backend's formulation (--mla-attn-path)
 INDEX_K_DTYPE_NAMES = ["fp8_e4m3", "bfloat16", "float32"]  # --nsa-index-k-dtype
+CP_MODES = ("in-seq-split", "round-robin-split")  # --nsa-prefill-cp-mode (nsa.utils.split_request)
+CP_MODE_ALIASES = {"zigzag": "in-seq-split", "interleave": "round-robin-split"}  # upstream's --cp-strategy
 # Backends made of Triton kernels: they need a CUDA device, or TRITON_INTERPRET=1 on CPU.
 TRITON_BACKENDS = {"triton"}  # also the MoE runner of that name
 

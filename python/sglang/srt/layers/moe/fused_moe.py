@@ -38,21 +38,27 @@ class FusedMoE(nn.Module):
         tp_group: GroupCoordinator = SINGLE_GROUP,
         dispatcher: BaseDispatcher | None = None,
         dtype=None,
+        ep_group: GroupCoordinator = SINGLE_GROUP,
     ) -> None:
+        """Experts are TP-sharded along the intermediate dim (tp_group) or, with expert
+        parallelism, split whole over ep_group: this rank holds experts [offset, offset + E / ep)."""
         super().__init__()
-        tp = tp_group.world_size
+        tp, ep = tp_group.world_size, ep_group.world_size
         if intermediate_size % tp:
             raise ValueError(f"moe_intermediate_size {intermediate_size} not divisible by tp size {tp}")
+        if num_experts % ep:
+            raise ValueError(f"n_routed_experts {num_experts} not divisible by --ep-size {ep}")
         self.num_experts, self.hidden_size = num_experts, hidden_size
+        self.num_local_experts = num_experts // ep
         self.intermediate_size, self.local_inter = intermediate_size, intermediate_size // tp
         self.tp_group = tp_group
-        self.expert_offset = 0
+        self.expert_offset = ep_group.rank * self.num_local_experts
         self.dispatcher = dispatcher or StandardDispatcher()
         self.runner_backend = "torch"
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * self.local_inter, hidden_size, dtype=dtype), requires_grad=False)
+            torch.empty(self.num_local_experts, 2 * self.local_inter, hidden_size, dtype=dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, self.local_inter, dtype=dtype), requires_grad=False)
+            torch.empty(self.num_local_experts, hidden_size, self.local_inter, dtype=dtype), requires_grad=False)
 
     def _tp_slice(self, w: torch.Tensor, dim: int) -> torch.Tensor:
         if self.tp_group.is_single:
@@ -65,11 +71,14 @@ class FusedMoE(nn.Module):
         expect = (n, i) if shard == "w2" else (i, n)
         if tuple(loaded.shape) != expect:
             raise ValueError(f"expert {expert_id} {shard}: checkpoint shape {tuple(loaded.shape)}, expected {expect}")
+        local = expert_id - self.expert_offset
+        if not 0 <= local < self.num_local_experts:
+            return  # another expert-parallel rank's expert
         if shard == "w2":
-            self.w2_weight.data[expert_id].copy_(self._tp_slice(loaded, 1))
+            self.w2_weight.data[local].copy_(self._tp_slice(loaded, 1))
         else:
             off = 0 if shard == "w1" else self.local_inter
-            self.w13_weight.data[expert_id, off : off + self.local_inter].copy_(self._tp_slice(loaded, 0))
+            self.w13_weight.data[local, off : off + self.local_inter].copy_(self._tp_slice(loaded, 0))
 
     def load_fused_weight(self, loaded: torch.Tensor, name: str) -> None:
         """`gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I]."""

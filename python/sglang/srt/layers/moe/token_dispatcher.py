@@ -37,3 +37,57 @@ class StandardDispatcher(BaseDispatcher):
 
     def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
         return expert_output
+
+
+class AllToAllDispatcher(BaseDispatcher):
+    """Expert parallelism over torch.distributed (the portable path: gloo on CPU, NCCL on GPU).
+
+    Each token is sent once to every rank owning one of its top-k experts, with its full top-k
+    (the expert runner ignores ids outside its range); each rank returns the partial sums of its
+    experts and the sender adds them up. The split sizes cross to the host once per layer, as in
+    DeepEP's normal mode, so this path is not CUDA-graph capturable."""
+
+    def __init__(self, ep_group, num_experts: int) -> None:
+        self.group, self.num_local = ep_group, num_experts // ep_group.world_size
+        self.elements_moved = 0  # hidden elements sent by dispatch + combine (tests, benchmarks)
+
+    def _a2a(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        torch.distributed.all_to_all_single(out, x.contiguous(), recv, send, group=self.group.group)
+        return out
+
+    def dispatch(self, hidden_states: torch.Tensor, topk: TopKOutput) -> DispatchOutput:
+        ep = self.group.world_size
+        dest = torch.where(topk.topk_ids >= 0, topk.topk_ids // self.num_local, -1)  # [n, k]
+        to_rank = torch.stack([(dest == r).any(dim=1) for r in range(ep)])  # [ep, n]
+        send_idx = torch.cat([torch.nonzero(m).flatten() for m in to_rank])
+        send = to_rank.sum(dim=1)
+        recv = torch.empty_like(send)
+        torch.distributed.all_to_all_single(recv, send, group=self.group.group)
+        send_l, recv_l = send.tolist(), recv.tolist()
+        x = self._a2a(hidden_states[send_idx], send_l, recv_l)
+        ids = self._a2a(topk.topk_ids[send_idx], send_l, recv_l)
+        w = self._a2a(topk.topk_weights[send_idx], send_l, recv_l)
+        self.elements_moved += x.numel()
+        return DispatchOutput(x, TopKOutput(w, ids), (send_idx, send_l, recv_l, hidden_states.shape[0]))
+
+    def combine(self, expert_output: torch.Tensor, dispatch_output: DispatchOutput) -> torch.Tensor:
+        send_idx, send_l, recv_l, n = dispatch_output.handle
+        back = self._a2a(expert_output, recv_l, send_l)
+        self.elements_moved += back.numel()
+        out = expert_output.new_zeros((n, expert_output.shape[-1]))
+        return out.index_add_(0, send_idx, back)
+
+
+def create_dispatcher(kind: str, ep_group, num_experts: int) -> BaseDispatcher:
+    """`kind`: "local" (no EP, or EP under TP where every rank holds every token), "all_to_all",
+    or "deepep" (validated at start-up: the deep_ep package must be importable)."""
+    if kind == "local" or ep_group.world_size == 1:
+        return StandardDispatcher()
+    if kind == "all_to_all":
+        return AllToAllDispatcher(ep_group, num_experts)
+    if kind == "deepep":
+        from sglang.srt.layers.moe.deepep_dispatcher import DeepEPDispatcher
+
+        return DeepEPDispatcher(ep_group, num_experts)
+    raise ValueError(f"unknown MoE dispatcher {kind!r}")

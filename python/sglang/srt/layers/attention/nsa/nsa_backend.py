@@ -84,8 +84,7 @@ class NativeSparseAttnBackend(AttentionBackend):
         mla_path = model_runner.server_args.mla_attn_path
         if mla_path not in MLA_PATHS:
             raise ValueError(f"mla_path {mla_path!r} not in {MLA_PATHS}")
-        self.pool = model_runner.token_to_kv_pool
-        self.mla_path = mla_path
+        self.mla_path = mla_path  # KV is read through forward_batch.token_to_kv_pool (see triton_backend)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         forward_batch.attn_metadata = build_nsa_metadata(forward_batch)
@@ -93,13 +92,14 @@ class NativeSparseAttnBackend(AttentionBackend):
     # -- attention --------------------------------------------------------------------------------
     def forward_mla(self, q_nope, q_rope, latent, k_rope, layer, forward_batch: ForwardBatch, topk_indices=None,
                     save_kv_cache: bool = True) -> torch.Tensor:
+        pool = forward_batch.token_to_kv_pool
         if save_kv_cache:
-            self.pool.set_mla_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, latent, k_rope)
+            pool.set_mla_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, latent, k_rope)
         md: NSAMetadata = forward_batch.attn_metadata
         if forward_batch.forward_mode.is_decode():
             slots, valid = ((md.page_table, md.kv_valid) if topk_indices is None
                             else self._topk_slots(md.page_table, topk_indices))
-            return self._attend_sparse(layer, q_nope, q_rope, slots, valid)
+            return self._attend_sparse(pool, layer, q_nope, q_rope, slots, valid)
         if topk_indices is not None and self.mla_path != "plain":
             # Gathered sparse attention, vectorised over tokens: each row picks its request's table.
             out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], layer.v_head_dim)
@@ -110,11 +110,11 @@ class NativeSparseAttnBackend(AttentionBackend):
                 rows = slice(c, c + step)
                 table = md.page_table[forward_batch.token_to_req[rows]]
                 slots, valid = self._topk_slots(table, topk_indices[rows])
-                out[rows] = self._attend_sparse(layer, q_nope[rows], q_rope[rows], slots, valid)
+                out[rows] = self._attend_sparse(pool, layer, q_nope[rows], q_rope[rows], slots, valid)
             return out
-        return self._extend_per_request(layer, q_nope, q_rope, forward_batch, md, topk_indices)
+        return self._extend_per_request(pool, layer, q_nope, q_rope, forward_batch, md, topk_indices)
 
-    def _extend_per_request(self, layer, q_nope, q_rope, forward_batch, md: NSAMetadata, topk_indices):
+    def _extend_per_request(self, pool, layer, q_nope, q_rope, forward_batch, md: NSAMetadata, topk_indices):
         """Dense (or plain-with-top-k) extend: each request's queries over its own cached keys."""
         absorbed = self.mla_path == "absorbed"
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], layer.v_head_dim)
@@ -122,13 +122,13 @@ class NativeSparseAttnBackend(AttentionBackend):
             s, e = md.starts[i], md.extend_lens[i]
             if e == 0:
                 continue
-            latent, k_rope = self.pool.get_mla_kv(layer.layer_id, md.kv_indices(i))  # [L, c], [L, r]
+            latent, k_rope = pool.get_mla_kv(layer.layer_id, md.kv_indices(i))  # [L, c], [L, r]
             kv = None if absorbed else self._expand_kv(layer, latent, q_nope.dtype)
             step = query_chunk(layer.num_local_heads * md.seq_lens[i], q_nope.device)
             for c in range(0, e, step):
                 rows = slice(s + c, s + min(c + step, e))
                 topk = topk_indices[rows] if topk_indices is not None else None
-                mask = self._extend_mask(md, i, c, rows.stop - rows.start, topk, q_nope.device)
+                mask = self._extend_mask(md, i, forward_batch.positions[rows], topk)
                 if absorbed:
                     out[rows] = self._attend_absorbed(layer, q_nope[rows], q_rope[rows], latent[None], k_rope[None],
                                                       mask)
@@ -145,11 +145,11 @@ class NativeSparseAttnBackend(AttentionBackend):
         return slots, topk >= 0
 
     @staticmethod
-    def _extend_mask(md: NSAMetadata, i: int, q_off: int, n: int, topk: torch.Tensor | None, device) -> torch.Tensor:
-        """[n, L] allowed keys of request i's queries q_off .. q_off + n (causal, and top-k if any)."""
-        pl, L = md.prefix_lens[i], md.seq_lens[i]
-        qpos = torch.arange(pl + q_off, pl + q_off + n, device=device)
-        mask = torch.arange(L, device=device)[None, :] <= qpos[:, None]
+    def _extend_mask(md: NSAMetadata, i: int, qpos: torch.Tensor, topk: torch.Tensor | None) -> torch.Tensor:
+        """[n, L] allowed keys of request i's queries at positions qpos (causal, and top-k if any).
+        Positions, not offsets: a CP rank's rows of a request are not consecutive."""
+        L = md.seq_lens[i]
+        mask = torch.arange(L, device=qpos.device)[None, :] <= qpos[:, None]
         if topk is not None:
             mask &= topk_to_mask(topk, L)
         return mask
@@ -185,15 +185,15 @@ class NativeSparseAttnBackend(AttentionBackend):
         probs = self._softmax(scores * layer.scaling, mask[:, None, :])
         return layer.project_out(torch.matmul(probs.to(q_lat.dtype), latent))
 
-    def _attend_sparse(self, layer, q_nope, q_rope, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _attend_sparse(self, pool, layer, q_nope, q_rope, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Absorbed MLA of n queries, each over its own gathered keys: slots / valid [n, K].
         Top-k indices are causal-valid by construction, so no causal mask is applied here."""
-        latent, k_rope = self.pool.get_mla_kv(layer.layer_id, slots)  # [n, K, c], [n, K, r]
+        latent, k_rope = pool.get_mla_kv(layer.layer_id, slots)  # [n, K, c], [n, K, r]
         return self._attend_absorbed(layer, q_nope, q_rope, latent, k_rope, valid)
 
     # -- DSA indexer --------------------------------------------------------------------------------
     def store_index_k(self, layer_id: int, k: torch.Tensor, forward_batch: ForwardBatch) -> None:
-        self.pool.set_index_k(layer_id, forward_batch.out_cache_loc, k)
+        forward_batch.token_to_kv_pool.set_index_k(layer_id, forward_batch.out_cache_loc, k)
 
     def index_topk(self, indexer, q: torch.Tensor, weights: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """Score every causal key of each token's request, keep the top index_topk (reference)."""
@@ -204,9 +204,10 @@ class NativeSparseAttnBackend(AttentionBackend):
         if forward_batch.max_seq_len <= k_top:  # host-known: every row keeps all its keys
             return causal_topk(positions, k_top)
         md: NSAMetadata = forward_batch.attn_metadata
-        dtype = index_score_dtype(self.pool, q.device)
-        qf = (fp8_round_trip(q) if self.pool.is_fp8 else q.float()).to(dtype)
-        keys = self.pool.get_index_k(indexer.layer_id, md.page_table).to(dtype)  # [B, W, D]
+        pool = forward_batch.token_to_kv_pool
+        dtype = index_score_dtype(pool, q.device)
+        qf = (fp8_round_trip(q) if pool.is_fp8 else q.float()).to(dtype)
+        keys = pool.get_index_k(indexer.layer_id, md.page_table).to(dtype)  # [B, W, D]
         out = torch.empty(q.shape[0], k_top, dtype=torch.int32, device=q.device)
         # Decode: row b is request b's only token. Extend: each request's tokens against its own keys
         # (broadcast, no per-token copy of the keys), in chunks of rows.

@@ -49,7 +49,8 @@ class TritonNSABackend(AttentionBackend):
 
     def __init__(self, model_runner) -> None:
         mc = model_runner.model_config
-        self.pool = model_runner.token_to_kv_pool
+        # KV is read through forward_batch.token_to_kv_pool / req_to_token_pool (a CP view may
+        # stand in for the rank's own pool); the runner's pool only sizes the graph buffers.
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.device = model_runner.device
         self.context_len = mc.context_len
@@ -79,8 +80,9 @@ class TritonNSABackend(AttentionBackend):
         cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         return int(min(CUDA_SCORE_BUDGET_MAX, (free + cached) // 4))
 
-    def _decode_metadata(self, width: int, blocks: torch.Tensor) -> TritonNSAMetadata:
-        return TritonNSAMetadata(self.req_to_token_pool.req_to_token, width, blocks, 1, [], split=True)
+    @staticmethod
+    def _decode_metadata(r2t: torch.Tensor, width: int, blocks: torch.Tensor) -> TritonNSAMetadata:
+        return TritonNSAMetadata(r2t, width, blocks, 1, [], split=True)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -89,7 +91,7 @@ class TritonNSABackend(AttentionBackend):
             bs = fb.batch_size
             blocks = torch.stack([torch.arange(bs, device=fb.positions.device),
                                   torch.ones(bs, dtype=torch.int64, device=fb.positions.device)], 1).int()
-            fb.attn_metadata = self._decode_metadata(width, blocks)
+            fb.attn_metadata = self._decode_metadata(fb.req_to_token_pool.req_to_token, width, blocks)
             return
         fb.attn_metadata = self._extend_metadata(fb, width)
 
@@ -106,6 +108,7 @@ class TritonNSABackend(AttentionBackend):
         for e in fb.extend_seq_lens_cpu:
             starts.append(acc)
             acc += e
+        host_pos = fb.positions_cpu
         for cs in range(0, t_total, chunk):
             ce = min(cs + chunk, t_total)
             b0 = len(blocks)
@@ -114,11 +117,12 @@ class TritonNSABackend(AttentionBackend):
                     lo, hi = max(s, cs), min(s + e, ce)
                     for t0 in range(lo, hi, block_t):
                         n = min(block_t, hi - t0)
-                        if p + (t0 - s) + n > self.topk_width:  # last row longer than index_topk
+                        last = max(host_pos[t0 : t0 + n]) if host_pos is not None else p + (t0 - s) + n - 1
+                        if last + 1 > self.topk_width:  # a row longer than index_topk
                             blocks.append((t0, n))
             chunks.append((cs, ce, b0, len(blocks)))
         table = torch.tensor(blocks, dtype=torch.int32).reshape(-1, 2).to(fb.positions.device, non_blocking=True)
-        return TritonNSAMetadata(self.req_to_token_pool.req_to_token, width, table, block_t, chunks)
+        return TritonNSAMetadata(fb.req_to_token_pool.req_to_token, width, table, block_t, chunks)
 
     # -- CUDA graphs (decode) -----------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
@@ -131,7 +135,7 @@ class TritonNSABackend(AttentionBackend):
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         bs = forward_batch.batch_size
-        md = self._decode_metadata(self.context_len, self._graph_blocks[:bs])
+        md = self._decode_metadata(self.req_to_token_pool.req_to_token, self.context_len, self._graph_blocks[:bs])
         md.partial = self._graph_partial
         self._graph_md[bs] = md
         forward_batch.attn_metadata = md
@@ -149,12 +153,13 @@ class TritonNSABackend(AttentionBackend):
 
         fb = forward_batch
         md: TritonNSAMetadata = fb.attn_metadata
+        pool = fb.token_to_kv_pool
         if save_kv_cache:
-            store_mla_kv(self.pool.kv_buffer[layer.layer_id], fb.out_cache_loc, latent, k_rope)
+            store_mla_kv(pool.kv_buffer[layer.layer_id], fb.out_cache_loc, latent, k_rope)
         q_lat = layer.absorb_q(q_nope)
         split = md.split
         o_lat = mla_attention(
-            q_lat, q_rope, self.pool.get_key_buffer(layer.layer_id), layer.kv_lora_rank, md.req_to_token,
+            q_lat, q_rope, pool.get_key_buffer(layer.layer_id), layer.kv_lora_rank, md.req_to_token,
             fb.req_pool_indices, fb.token_to_req, fb.positions, topk_indices, layer.scaling,
             split_keys=self.split_keys if split else 0,
             max_keys=(topk_indices.shape[1] if topk_indices is not None else md.score_width) if split else 0,
@@ -165,12 +170,14 @@ class TritonNSABackend(AttentionBackend):
     def store_index_k(self, layer_id: int, k: torch.Tensor, forward_batch: ForwardBatch) -> None:
         from sgl_kernel.kv_store import store_index_k
 
-        buf = self.pool.index_k_with_scale_buffer[self.pool.index_buffer_id(layer_id)]
-        store_index_k(buf, forward_batch.out_cache_loc, k, self.pool.page_size, self.pool.data_dtype)
+        pool = forward_batch.token_to_kv_pool
+        buf = pool.index_k_with_scale_buffer[pool.index_buffer_id(layer_id)]
+        store_index_k(buf, forward_batch.out_cache_loc, k, pool.page_size, pool.data_dtype)
 
-    def _score_inputs(self, indexer, q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _score_inputs(pool, indexer, q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = torch.float32 if q.dtype == torch.float32 else torch.bfloat16
-        if self.pool.is_fp8:
+        if pool.is_fp8:
             return fold_fp8_query(q, weights, indexer.softmax_scale, dtype)
         return q.to(dtype).contiguous(), (weights.float() * indexer.softmax_scale).contiguous()
 
@@ -184,9 +191,10 @@ class TritonNSABackend(AttentionBackend):
         decode = fb.forward_mode.is_decode()
         if not decode and not md.index_blocks.shape[0]:
             return causal_topk(fb.positions, k_top)  # host-known: no row longer than index_topk
-        qk, w = self._score_inputs(indexer, q, weights)
-        buf = self.pool.get_index_k_buffer(indexer.layer_id)
-        common = dict(index_k_buffer=buf, page_size=self.pool.page_size, data_dtype=self.pool.data_dtype,
+        pool = fb.token_to_kv_pool
+        qk, w = self._score_inputs(pool, indexer, q, weights)
+        buf = pool.get_index_k_buffer(indexer.layer_id)
+        common = dict(index_k_buffer=buf, page_size=pool.page_size, data_dtype=pool.data_dtype,
                       req_to_token=md.req_to_token, req_pool_indices=fb.req_pool_indices,
                       token_to_req=fb.token_to_req, positions=fb.positions, skip_below=k_top,
                       block_n=INDEX_BLOCK_N)

@@ -1,0 +1,122 @@
+"""Run the scheduler on N real processes (gloo on CPU, NCCL on GPU) and collect what rank 0 saw.
+
+Every rank builds a Scheduler for each case, receives the same requests (as the scheduler
+process's broadcast would give them) and steps in lockstep; rank 0 returns the generated ids,
+logprobs and KV statistics. Used by the CP / EP equivalence tests and benchmark/cp.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field
+
+import torch.multiprocessing as mp
+
+
+@dataclass
+class Case:
+    name: str
+    server_args: dict  # ServerArgs kwargs (tp_size is set to the world size)
+    prompts: list[list[int]]  # run together (one batch)
+    max_new_tokens: int = 8
+    followups: list[list[int]] = field(default_factory=list)  # run after the prompts (cache hits)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    env: dict = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
+    """One case on this rank; returns {rid: {"ids", "logprobs", "input_logprobs"}, "_stats": ...}."""
+    import torch
+
+    from sglang.srt.distributed.parallel_state import SINGLE_GROUP
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import ServerArgs
+
+    os.environ.update(case.env)
+    kwargs = dict(device="cpu", random_seed=0, max_total_tokens=8192)
+    kwargs.update(case.server_args)
+    kwargs["tp_size"] = world_size
+    if kwargs.get("enable_nsa_prefill_context_parallel"):
+        kwargs["attn_cp_size"] = world_size
+    sa = ServerArgs(**kwargs).resolve()
+    torch.manual_seed(0)
+    sched = Scheduler(sa, tp_group=group or SINGLE_GROUP)
+    out: dict = {}
+
+    def submit(batch: list[list[int]], tag: str) -> None:
+        for i, ids in enumerate(batch):
+            sp = SamplingParams(max_new_tokens=case.max_new_tokens, temperature=0.0, ignore_eos=True)
+            sched.add_request(TokenizedGenerateReqInput(f"{tag}{i}", list(ids), sp, case.return_logprob,
+                                                        case.logprob_start_len))
+
+    def drain() -> None:
+        while sched.has_work():
+            for o in sched.step():
+                r = out.setdefault(o.rid, {"ids": [], "logprobs": [], "input_logprobs": None})
+                r["ids"] += o.new_token_ids
+                r["logprobs"] += o.output_token_logprobs or []
+                if o.input_token_logprobs is not None:
+                    r["input_logprobs"] = o.input_token_logprobs
+
+    submit(case.prompts, "p")
+    drain()
+    if case.followups:
+        submit(case.followups, "f")
+        drain()
+    mr = sched.model_runner
+    out["_stats"] = {"kv_leak": sched.kv_leak_report(), "comm": dict(getattr(mr, "cp_counter", None).elements)
+                     if getattr(mr, "cp_counter", None) else {},
+                     "pool_slots": mr.token_to_kv_pool.size, "capacity": sched.max_total_num_tokens,
+                     "dispatched": sum(getattr(m.experts.dispatcher, "elements_moved", 0)
+                                       for m in mr.model.modules() if hasattr(m, "experts"))}
+    return out
+
+
+def _worker(rank: int, world_size: int, port: int, cases: list[Case], queue) -> None:
+    from sglang.srt.distributed.parallel_state import init_distributed
+
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        group = init_distributed(world_size, rank, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=120)
+        results = [run_case(c, world_size, rank, group) for c in cases]
+        queue.put((rank, results, None))
+    except BaseException:
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def run_multi_rank(cases: list[Case], world_size: int, timeout_s: float = 900) -> list[dict]:
+    """Run `cases` on `world_size` processes; returns rank 0's result per case (raises with the
+    failing rank's traceback)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, cases, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(world_size):
+            rank, results, err = queue.get(timeout=timeout_s)
+            if err:
+                raise RuntimeError(f"rank {rank} failed:\n{err}")
+            got[rank] = results
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return got[0]

@@ -74,8 +74,14 @@ def test_cp_equals_cp1(model_paths, cp):
     for case, g in zip(cases, got):
         _assert_same(g, _reference(case), case.name)
         st = g["_stats"]
-        # each rank stores 1/cp of the logical KV capacity
+        # each rank's pool is 1/cp of the logical KV capacity, and the cached requests' pages are
+        # spread over the ranks (zigzag / round-robin pages: no rank holds much more than 1/cp)
         assert st["pool_slots"] * cp == st["capacity"], st
+        owned = st["owned_pages"]
+        assert len(owned) == cp and sum(owned) > 0, st
+        assert max(owned) <= sum(owned) / cp + len(case.prompts) + len(case.followups), st
+        if case.server_args["page_size"] == 1:
+            assert min(owned) > 0, st  # (64-token pages of these short prompts may all land on two ranks)
         assert st["comm"].get("narrow_gather", 0) > 0 and "full_gather" not in st["comm"], st
 
 
@@ -94,6 +100,9 @@ def test_padding_garbage_and_gathers_and_ep(model_paths):
         Case("fallback", cp_args, prompts, 1, return_logprob=True, logprob_start_len=0),
         # experts split over the 2 ranks, tokens moved by all-to-all
         Case("ep", dict(cp_args, ep_size=2), prompts, 6, return_logprob=True),
+        # chunked prefill (chunks of 32 on pages of 16) with decode requests mixed into prefill batches
+        Case("chunked", dict(cp_args, page_size=16, chunked_prefill_size=32, enable_mixed_chunk=True), prompts, 6,
+             return_logprob=True),
         # the Triton kernels (interpreter on CPU) behind the CP view, page size 64
         Case("triton", dict(cp_args, page_size=64, nsa_prefill_backend="triton", nsa_decode_backend="triton",
                             moe_runner_backend="triton"), prompts, 4, return_logprob=True),
@@ -101,9 +110,11 @@ def test_padding_garbage_and_gathers_and_ep(model_paths):
     got = dict(zip([c.name for c in cases], run_multi_rank(cases, 2)))
     ref = _reference(cases[0])
     _assert_same(got["poison"], ref, "poison")
+    assert got["poison"]["_stats"]["comm"]["poisoned_rows"] > 0  # the garbage really was there
     _assert_same(got["ep"], ref, "ep")
     assert got["ep"]["_stats"]["dispatched"] > 0
     assert got["narrow"]["_stats"]["comm"]["narrow_gather"] == 2 * len(prompts) * hidden
+    _assert_same(got["chunked"], _reference(cases[4]), "chunked")
     tri_ref = _reference(Case("t", dict(cp_args, page_size=64), prompts, 4, return_logprob=True))
     for k in ("p0", "p1", "p2"):  # kernels vs the torch reference: same tokens, logprobs within 1e-3
         assert got["triton"][k]["ids"] == tri_ref[k]["ids"]

@@ -149,13 +149,6 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
-    def kv_pages_stored(self) -> int:
-        """KV pages this rank holds data for (under CP: only the pages it owns)."""
-        alloc = self.token_to_kv_pool_allocator
-        if self.cp_group is not None:
-            return alloc.owned_pages()[self.cp_group.rank]
-        return alloc.num_pages - alloc.available_size() // self.page_size
-
     @torch.inference_mode()
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch):
         return self.sampler(logits_output.next_token_logits, forward_batch.sampling_info,

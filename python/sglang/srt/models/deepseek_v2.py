@@ -49,8 +49,6 @@ from sglang.srt.utils.common import get_bool_env
 from sglang.srt.model_loader.weight_utils import check_weights_complete
 
 logger = logging.getLogger(__name__)
-# Debug / tests: fill CP compute-padding rows with garbage before every layer (outputs must not change).
-CP_POISON_PADDING = get_bool_env("SGLANG_CP_POISON_PADDING")
 
 
 class DeepseekV2MLP(nn.Module):
@@ -278,12 +276,14 @@ class DeepseekV2Model(nn.Module):
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual, topk_indices = None, None
-        poison = forward_batch.cp_metadata is not None and CP_POISON_PADDING
+        cp = forward_batch.cp_metadata
+        poison = cp is not None and get_bool_env("SGLANG_CP_POISON_PADDING")  # CP runs eagerly: cheap
         for layer in self.layers:
             if poison:  # debug: garbage in the CP dummy rows must not reach any real row
                 for x in (hidden_states, residual):
                     if x is not None:
-                        x.index_fill_(0, forward_batch.cp_metadata.dummy_idx, 1e4)
+                        x.index_fill_(0, cp.dummy_idx, 1e4)
+                        cp.counter.add("poisoned_rows", cp.num_local - cp.valid_idx.numel())
             hidden_states, residual, topk_indices = layer(positions, hidden_states, residual, forward_batch,
                                                           topk_indices)
         if hidden_states.shape[0] == 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ class Case:
     return_logprob: bool = False
     logprob_start_len: int = -1
     env: dict = field(default_factory=dict)
+    warmup: bool = False  # run a short request first, untimed (benchmarks)
 
 
 def free_port() -> int:
@@ -35,6 +37,7 @@ def free_port() -> int:
 
 def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
     """One case on this rank; returns {rid: {"ids", "logprobs", "input_logprobs"}, "_stats": ...}."""
+    os.environ.update(case.env)  # before the model modules read it
     import torch
 
     from sglang.srt.distributed.parallel_state import SINGLE_GROUP
@@ -43,7 +46,6 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import ServerArgs
 
-    os.environ.update(case.env)
     kwargs = dict(device="cpu", random_seed=0, max_total_tokens=8192)
     kwargs.update(case.server_args)
     kwargs["tp_size"] = world_size
@@ -60,24 +62,40 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
             sched.add_request(TokenizedGenerateReqInput(f"{tag}{i}", list(ids), sp, case.return_logprob,
                                                         case.logprob_start_len))
 
+    step_s: list[float] = []
+
     def drain() -> None:
         while sched.has_work():
-            for o in sched.step():
+            t0 = time.perf_counter()
+            outs = sched.step()
+            if sa.device == "cuda":
+                torch.cuda.synchronize()
+            step_s.append(time.perf_counter() - t0)
+            for o in outs:
                 r = out.setdefault(o.rid, {"ids": [], "logprobs": [], "input_logprobs": None})
                 r["ids"] += o.new_token_ids
                 r["logprobs"] += o.output_token_logprobs or []
                 if o.input_token_logprobs is not None:
                     r["input_logprobs"] = o.input_token_logprobs
 
+    if case.warmup:
+        submit([case.prompts[0][:16]], "w")
+        drain()
+        out.clear()
+        step_s.clear()
+        if getattr(sched.model_runner, "cp_counter", None) is not None:
+            sched.model_runner.cp_counter.elements.clear()
     submit(case.prompts, "p")
     drain()
     if case.followups:
         submit(case.followups, "f")
         drain()
     mr = sched.model_runner
-    out["_stats"] = {"kv_leak": sched.kv_leak_report(), "comm": dict(getattr(mr, "cp_counter", None).elements)
+    out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s, "comm": dict(getattr(mr, "cp_counter", None).elements)
                      if getattr(mr, "cp_counter", None) else {},
                      "pool_slots": mr.token_to_kv_pool.size, "capacity": sched.max_total_num_tokens,
+                     # pages each rank stores now (the prefix cache keeps the finished requests' KV)
+                     "owned_pages": getattr(mr.token_to_kv_pool_allocator, "owned_pages", lambda: None)(),
                      "dispatched": sum(getattr(m.experts.dispatcher, "elements_moved", 0)
                                        for m in mr.model.modules() if hasattr(m, "experts"))}
     return out
@@ -89,8 +107,13 @@ def _worker(rank: int, world_size: int, port: int, cases: list[Case], queue) -> 
     try:
         import torch
 
-        torch.set_num_threads(1)
-        group = init_distributed(world_size, rank, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=120)
+        cuda = any(c.server_args.get("device") == "cuda" for c in cases)
+        if cuda:
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(1)
+        group = init_distributed(world_size, rank, f"tcp://127.0.0.1:{port}", "nccl" if cuda else "gloo",
+                                 timeout_s=300)
         results = [run_case(c, world_size, rank, group) for c in cases]
         queue.put((rank, results, None))
     except BaseException:

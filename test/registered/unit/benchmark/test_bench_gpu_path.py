@@ -43,3 +43,13 @@ def test_every_serving_kernel_compiles_for_sm90():
     real V3.2 shapes for the H200 and checks shared memory, with no GPU."""
     out = _run([str(_ROOT / "scripts/compile_sm90.py")], env={"TRITON_INTERPRET": "0"}).stdout
     assert " 0 failed" in out and "_mla_fwd_kernel" in out and "_gate_up_kernel" in out
+
+
+def test_cp_bench_smoke(tmp_path):
+    """benchmark/cp (issue 12's prefill-vs-length run) on CPU: cp 1 and 2 over gloo, JSON + plot."""
+    _run([str(_ROOT / "benchmark/cp/bench_cp.py"), "--cp-sizes", "1,2", "--lens", "48,96", "--repeats", "1",
+          "--out-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "cp_prefill_cpu.json").read_text())
+    assert {(r["cp"], r["len"]) for r in result["rows"]} == {(1, 48), (1, 96), (2, 48), (2, 96)}
+    assert all(r["narrow_gather_elems"] > 0 for r in result["rows"] if r["cp"] == 2)
+    assert (tmp_path / "cp_prefill_cpu.png").stat().st_size > 0

@@ -1,0 +1,1 @@
+"""Pure-text output parsers (reasoning blocks); see reasoning_parser.py."""

@@ -278,3 +278,35 @@ def test_json_schema_constraint_required_and_named():
     defs = {"$defs": {"P": {"type": "string"}}, "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}}
     lifted = get_json_schema_constraint([{"type": "function", "function": {"name": "c", "parameters": defs}}], "required")
     assert lifted["$defs"] == {"P": {"type": "string"}}
+
+
+_DSML_PARTS = ["<｜DSML｜function_calls>", "</｜DSML｜function_calls>", '<｜DSML｜invoke name="get_weather">',
+               '<｜DSML｜invoke name="nope">', "</｜DSML｜invoke>", '<｜DSML｜parameter name="city" string="true">',
+               '<｜DSML｜parameter name="days" string="false">', "</｜DSML｜parameter>", "<｜DSML｜", "{", '"'
+               ]
+_FRAGMENTS = {
+    "deepseekv31": [TC_BEGIN, TC_END, C_BEGIN, C_END, SEP, "get_weather", "nope", '{"city": "x"}', '{"a":',
+                    "1", "}", "]", "[", '"', "\\", "\\u00e9", ",", " ", "\n", "txt", "<｜tool", "▁call"],
+    "deepseekv3": [TC_BEGIN, TC_END, C_BEGIN, C_END, SEP, "function", "get_weather", "\n```json\n", "```",
+                   '{"city": "x"}', "1", "}", '"', " ", "\n", "txt"],
+    "deepseekv32": _DSML_PARTS + ["杭州", "3", "[1, 2]", " ", "\n", "txt", "<"],
+    "glm45": ["<tool_call>", "</tool_call>", "get_weather", "search", "nope", "<arg_key>", "</arg_key>",
+              "<arg_value>", "</arg_value>", "city", "days", "3", '{"a": 1}', "北京", " ", "\n", "<", "txt"],
+}
+_FRAGMENTS["glm47"] = _FRAGMENTS["glm45"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), name=st.sampled_from(sorted(_FRAGMENTS)))
+def test_random_markup_is_chunking_invariant(data, name):
+    """Arbitrary (mostly malformed) markup: streaming never disagrees with non-stream on the
+    normal text or on any call the non-stream result keeps."""
+    text = "".join(data.draw(st.lists(st.sampled_from(_FRAGMENTS[name]), max_size=30)))
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(text)), max_size=10))))
+    chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    got_normal, items = run_stream(name, chunks)
+    want_normal, want_calls = FunctionCallParser(TOOLS, name).parse_non_stream(text)
+    assert got_normal == want_normal
+    streamed = {c.tool_index: c for c in collect(items)}
+    for call in want_calls:
+        assert streamed[call.tool_index] == call

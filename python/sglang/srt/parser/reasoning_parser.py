@@ -12,6 +12,9 @@ Public names follow upstream SGLang (`ReasoningParser`, `DetectorMap`, `parse_no
 * Unterminated reasoning (max_tokens) is all reasoning.
 * Both parts are `.strip()`-ed; empty parts are returned as None.
 
+Per request, build the parser with `make_reasoning_parser(name, chat_template_kwargs)`: it
+reads the thinking switch (`reasoning_enabled`) and forces the block where the prompt opened it.
+
 Streaming: the concatenation of the deltas of `parse_stream_chunk` (plus `parse_stream_end`,
 needed only with `stream_reasoning=False` or when the text is cut inside a marker) equals
 `parse_non_stream` of the whole text, for every way of cutting the text into chunks. Both
@@ -47,6 +50,9 @@ class BaseReasoningFormatDetector:
     thinking_kwarg: str | None = "enable_thinking"
     thinking_default = True
     default_force_reasoning = False
+    # True when a thinking request's generation prompt itself ends with the think-start token,
+    # so the output begins inside the block (see `make_reasoning_parser`).
+    prompt_opens_block = False
 
     _START, _REASONING, _NORMAL = "start", "reasoning", "normal"
 
@@ -130,17 +136,19 @@ class DeepSeekR1Detector(BaseReasoningFormatDetector):
 
     thinking_kwarg = None
     default_force_reasoning = True
+    prompt_opens_block = True
 
 
 class DeepSeekV3Detector(BaseReasoningFormatDetector):
     """DeepSeek-V3.1 / V3.2: thinking only with `chat_template_kwargs={"thinking": True}`.
 
     In thinking mode the prompt ends with `<think>`, so construct with `force_reasoning=True`
-    (see `reasoning_enabled`). Tool calls come after `</think>`, so there is no tool start token.
+    (`make_reasoning_parser` does). Tool calls come after `</think>`, so there is no tool start token.
     """
 
     thinking_kwarg = "thinking"
     thinking_default = False
+    prompt_opens_block = True
 
 
 class Qwen3Detector(BaseReasoningFormatDetector):
@@ -153,11 +161,12 @@ class Glm45Detector(BaseReasoningFormatDetector):
     """GLM-4.5/4.6/4.7/GLM-5: `enable_thinking` (default on); `<tool_call>` closes reasoning.
 
     GLM-4.5 emits `<think>` itself; GLM-4.7/5 end the generation prompt with `<think>` (thinking)
-    or `</think>` (not), so with thinking on construct with `force_reasoning=True`; an echoed
+    or `</think>` (not), so a thinking request is forced (`make_reasoning_parser`); an echoed
     `<think>` at the start is dropped either way.
     """
 
     tool_start_token = "<tool_call>"
+    prompt_opens_block = True
 
 
 class KimiDetector(BaseReasoningFormatDetector):
@@ -185,13 +194,7 @@ class ReasoningParser:
         stream_reasoning: bool = True,
         force_reasoning: bool | None = None,
     ) -> None:
-        detector_class = self.DetectorMap.get((model_type or "").lower())
-        if detector_class is None:
-            raise ValueError(
-                f"Unsupported reasoning parser {model_type!r}; "
-                f"valid names: {', '.join(sorted(self.DetectorMap))}"
-            )
-        self.detector = detector_class(
+        self.detector = _detector_class(model_type)(
             stream_reasoning=stream_reasoning, force_reasoning=force_reasoning
         )
 
@@ -211,20 +214,39 @@ class ReasoningParser:
         return ret.reasoning_text or None, ret.normal_text or None
 
 
-def reasoning_enabled(parser_name: str, chat_template_kwargs: dict[str, Any] | None) -> bool:
-    """Whether a request asks the model to think, in upstream's per-parser semantics.
-
-    deepseek-v3 reads `thinking` (default False); glm45 / qwen3 read `enable_thinking`
-    (default True); deepseek-r1 / kimi always think. The server passes the result as
-    `force_reasoning` (the thinking prompt already opened the block).
-    """
+def _detector_class(parser_name: str) -> type[BaseReasoningFormatDetector]:
     detector_class = ReasoningParser.DetectorMap.get((parser_name or "").lower())
     if detector_class is None:
         raise ValueError(
             f"Unsupported reasoning parser {parser_name!r}; "
             f"valid names: {', '.join(sorted(ReasoningParser.DetectorMap))}"
         )
+    return detector_class
+
+
+def reasoning_enabled(parser_name: str, chat_template_kwargs: dict[str, Any] | None) -> bool:
+    """Whether a request asks the model to think, in upstream's per-parser semantics.
+
+    deepseek-v3 reads `thinking` (default False); glm45 / qwen3 read `enable_thinking`
+    (default True); deepseek-r1 / kimi always think. The server passes the result as
+    `make_reasoning_parser` turns it into the right `force_reasoning`.
+    """
+    detector_class = _detector_class(parser_name)
     if detector_class.thinking_kwarg is None:
         return True
     value = (chat_template_kwargs or {}).get(detector_class.thinking_kwarg)
     return detector_class.thinking_default if value is None else bool(value)
+
+
+def make_reasoning_parser(
+    parser_name: str,
+    chat_template_kwargs: dict[str, Any] | None,
+    stream_reasoning: bool = True,
+) -> ReasoningParser:
+    """The parser for one request: forced into the reasoning block when the request thinks and
+    this model's generation prompt already opened the block (deepseek-r1, deepseek-v3, glm45);
+    otherwise the block is recognised by its start token in the output (qwen3, kimi)."""
+    force = _detector_class(parser_name).prompt_opens_block and reasoning_enabled(
+        parser_name, chat_template_kwargs
+    )
+    return ReasoningParser(parser_name, stream_reasoning=stream_reasoning, force_reasoning=force)

@@ -114,3 +114,17 @@ def test_random_multi_splits(pieces, cuts, name, force, stream_reasoning):
     chunks = [text[a:b] for a, b in zip([0] + points, points + [len(text)])]
     expected = ReasoningParser(name, force_reasoning=force).parse_non_stream(text)
     assert run_stream(name, force, chunks, stream_reasoning) == expected
+
+
+def test_make_reasoning_parser_forces_only_where_the_prompt_opened_the_block():
+    from sglang.srt.parser.reasoning_parser import make_reasoning_parser
+
+    out = "Thinking.</think>Answer."
+    assert make_reasoning_parser("deepseek-v3", {"thinking": True}).parse_non_stream(out) == ("Thinking.", "Answer.")
+    assert make_reasoning_parser("deepseek-v3", {}).parse_non_stream("Answer.") == (None, "Answer.")
+    assert make_reasoning_parser("glm45", None).parse_non_stream(out) == ("Thinking.", "Answer.")
+    assert make_reasoning_parser("glm45", {"enable_thinking": False}).parse_non_stream("Answer.") == (None, "Answer.")
+    # Qwen3 / Kimi emit their start token themselves: never forced.
+    assert make_reasoning_parser("qwen3", None).parse_non_stream("Answer.") == (None, "Answer.")
+    assert make_reasoning_parser("kimi", None).parse_non_stream("Answer.") == (None, "Answer.")
+    assert make_reasoning_parser("deepseek-r1", None).detector.force_reasoning is True

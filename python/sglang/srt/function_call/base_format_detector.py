@@ -27,6 +27,16 @@ logger = logging.getLogger(__name__)
 WAIT = None  # _match: the buffer may still become one of the options
 
 
+def _find_first(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
+    """Earliest occurrence of any marker (longest wins a tie): (index, marker) or (-1, "")."""
+    best, found = -1, ""
+    for marker in markers:
+        idx = text.find(marker)
+        if idx != -1 and (best == -1 or idx < best or (idx == best and len(marker) > len(found))):
+            best, found = idx, marker
+    return best, found
+
+
 class _Call:
     def __init__(self, index: int | None, name: str) -> None:
         self.index = index  # None: unknown tool, parsed but not emitted
@@ -36,6 +46,11 @@ class _Call:
 
 class BaseFormatDetector(ABC):
     bot_token: str = ""  # opens a tool-call section
+    alt_bot_tokens: tuple[str, ...] = ()  # other spellings that open one too
+
+    @property
+    def bot_tokens(self) -> tuple[str, ...]:
+        return (self.bot_token,) + self.alt_bot_tokens
     initial_state: str = ""  # subclass state on entering a section
 
     def __init__(self) -> None:
@@ -54,7 +69,7 @@ class BaseFormatDetector(ABC):
 
     # -- public API ---------------------------------------------------------------------
     def has_tool_call(self, text: str) -> bool:
-        return self.bot_token in text
+        return any(token in text for token in self.bot_tokens)
 
     def parse_streaming_increment(self, new_text: str, tools: list[Any]) -> StreamingParseResult:
         self._tools = tools_by_name(tools)
@@ -87,15 +102,15 @@ class BaseFormatDetector(ABC):
         calls: list[ToolCallItem] = []
         while True:
             if not self._in_section:
-                idx = self._buffer.find(self.bot_token)
+                idx, token = _find_first(self._buffer, self.bot_tokens)
                 if idx == -1:
-                    keep = 0 if final else partial_suffix_len(self._buffer, [self.bot_token])
+                    keep = 0 if final else partial_suffix_len(self._buffer, self.bot_tokens)
                     cut = len(self._buffer) - keep
                     normal.append(self._buffer[:cut])
                     self._buffer = self._buffer[cut:]
                     break
                 normal.append(self._buffer[:idx])
-                self._buffer = self._buffer[idx + len(self.bot_token):]
+                self._buffer = self._buffer[idx + len(token):]
                 self._in_section = True
                 self._state = self.initial_state
             self._parse_section(calls)
@@ -128,21 +143,23 @@ class BaseFormatDetector(ABC):
             return WAIT
         return ""
 
-    def _take_until(self, marker: str) -> str | None:
-        """Text before `marker` (consumed through it), or None if it has not arrived."""
-        idx = self._buffer.find(marker)
+    def _take_until(self, marker: str | tuple[str, ...]) -> str | None:
+        """Text before the first `marker` (consumed through it), or None if none has arrived."""
+        markers = (marker,) if isinstance(marker, str) else marker
+        idx, found = _find_first(self._buffer, markers)
         if idx == -1:
             return None
         text = self._buffer[:idx]
-        self._buffer = self._buffer[idx + len(marker):]
+        self._buffer = self._buffer[idx + len(found):]
         return text
 
-    def _take_partial(self, marker: str) -> tuple[str, bool]:
+    def _take_partial(self, marker: str | tuple[str, ...]) -> tuple[str, bool]:
         """Text up to `marker` as far as known; True once the marker was consumed."""
         text = self._take_until(marker)
         if text is not None:
             return text, True
-        cut = len(self._buffer) - partial_suffix_len(self._buffer, [marker])
+        markers = (marker,) if isinstance(marker, str) else marker
+        cut = len(self._buffer) - partial_suffix_len(self._buffer, markers)
         text, self._buffer = self._buffer[:cut], self._buffer[cut:]
         return text, False
 
@@ -196,7 +213,7 @@ class BaseFormatDetector(ABC):
         self._emit_args("}" if self._call and self._call.args else "{}", out)
         self._end_call()
 
-    def _stream_json_args(self, end_marker: str, out: list[ToolCallItem]) -> bool:
+    def _stream_json_args(self, end_marker: str | tuple[str, ...], out: list[ToolCallItem]) -> bool:
         """JSON formats: stream the arguments up to `end_marker`, re-serialised canonically as
         they grow; True once the call has ended."""
         if self._json is None:

@@ -109,6 +109,15 @@ CASES = [
         "",
         [("search", {"query": "x", "limit": 2}), ("get_weather", {})],
     ),
+    # Upstream's simplified spelling without ｜DSML｜ (examples in its deepseekv32 docstring), mixed.
+    (
+        "deepseekv32",
+        'Ok.\n\n<function_calls>\n    <invoke name="get_weather">\n    { "city": "San Francisco" }\n    </invoke>\n'
+        '<｜DSML｜invoke name="search">\n<parameter name="limit" string="false">3</｜DSML｜parameter>\n'
+        '<parameter name="query" string="true">q</parameter>\n</invoke>\n</function_calls>',
+        "Ok.",
+        [("get_weather", {"city": "San Francisco"}), ("search", {"limit": 3, "query": "q"})],
+    ),
     # GLM-4.5 / 4.6: newline after the name and between tags; schema decides string vs JSON.
     (
         "glm45",
@@ -236,7 +245,8 @@ def test_partial_marker_at_end_is_normal_text():
 def test_has_tool_call_and_no_tools_passthrough():
     parser = FunctionCallParser(TOOLS, "deepseekv32")
     assert parser.has_tool_call("x <｜DSML｜function_calls>")
-    assert not parser.has_tool_call("x <function_calls>")
+    assert parser.has_tool_call("x <function_calls>")  # plain spelling, accepted as upstream
+    assert not parser.has_tool_call("x <function_call>")
     bare = FunctionCallParser([], "glm47")
     assert not bare.has_tool_call("<tool_call>x</tool_call>")
     assert bare.parse_non_stream(" <tool_call>x</tool_call> ") == (" <tool_call>x</tool_call> ", [])
@@ -282,8 +292,9 @@ def test_json_schema_constraint_required_and_named():
 
 _DSML_PARTS = ["<｜DSML｜function_calls>", "</｜DSML｜function_calls>", '<｜DSML｜invoke name="get_weather">',
                '<｜DSML｜invoke name="nope">', "</｜DSML｜invoke>", '<｜DSML｜parameter name="city" string="true">',
-               '<｜DSML｜parameter name="days" string="false">', "</｜DSML｜parameter>", "<｜DSML｜", "{", '"'
-               ]
+               '<｜DSML｜parameter name="days" string="false">', "</｜DSML｜parameter>", "<｜DSML｜", "{", '"',
+               "<function_calls>", '<invoke name="search">', "</invoke>", '<parameter name="limit" string="false">',
+               "</parameter>", "</function_calls>"]
 _FRAGMENTS = {
     "deepseekv31": [TC_BEGIN, TC_END, C_BEGIN, C_END, SEP, "get_weather", "nope", '{"city": "x"}', '{"a":',
                     "1", "}", "]", "[", '"', "\\", "\\u00e9", ",", " ", "\n", "txt", "<｜tool", "▁call"],

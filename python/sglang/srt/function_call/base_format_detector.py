@@ -47,11 +47,11 @@ class _Call:
 class BaseFormatDetector(ABC):
     bot_token: str = ""  # opens a tool-call section
     alt_bot_tokens: tuple[str, ...] = ()  # other spellings that open one too
+    initial_state: str = ""  # subclass state on entering a section
 
     @property
     def bot_tokens(self) -> tuple[str, ...]:
         return (self.bot_token,) + self.alt_bot_tokens
-    initial_state: str = ""  # subclass state on entering a section
 
     def __init__(self) -> None:
         self._buffer = ""
@@ -119,6 +119,7 @@ class BaseFormatDetector(ABC):
                     if self._call is not None:
                         logger.warning("Dropping unterminated tool call %r", self._call.name)
                     self._call = None
+                    self._json = None
                     self._buffer = ""
                     self._in_section = False
                 break

@@ -113,6 +113,16 @@ class ServerArgs:
                                           "finish for up to this many seconds, then abort the rest and exit.",
                                           "http")
 
+    # -- OpenAI API: chat templates, reasoning and tool calls ------------------------------------
+    chat_template: str | None = _f(None, "Jinja chat template file replacing the tokenizer's (without one, "
+                                   "DeepSeek-V3.2 uses its Python prompt encoder).", "api")
+    reasoning_parser: str | None = _f(None, "Split chat output into reasoning_content and content: deepseek-v3 "
+                                      "(V3.1/V3.2; per request chat_template_kwargs {\"thinking\": true}), glm45 "
+                                      "(GLM-4.5..GLM-5; enable_thinking), deepseek-r1, qwen3, ...", "api")
+    tool_call_parser: str | None = _f(None, "Parse tool calls out of chat output (tools / tool_choice auto): "
+                                      "deepseekv32, deepseekv31, deepseekv3, glm (= glm45), glm47 (GLM-4.7 / GLM-5).",
+                                      "api")
+
     # -- logging ------------------------------------------------------------------------------
     log_level: str = _f("info", "Log level.", "logging", LOG_LEVELS)
     log_requests: bool = _f(False, "Log every request's metadata (id, token counts, sampling params, latency) "
@@ -293,6 +303,26 @@ def _check_http(args: ServerArgs) -> None:
         raise ServerArgsError("graceful_shutdown_timeout", f"must be a finite number of seconds >= 0, got {t!r}")
 
 
+def _check_api(args: ServerArgs) -> None:
+    if args.chat_template is not None:
+        import os
+
+        if not os.path.isfile(args.chat_template):
+            raise ServerArgsError("chat_template", f"{args.chat_template!r} is not a file")
+    if args.reasoning_parser is not None:
+        from sglang.srt.parser.reasoning_parser import ReasoningParser
+
+        if args.reasoning_parser not in ReasoningParser.DetectorMap:
+            raise ServerArgsError("reasoning_parser", f"{args.reasoning_parser!r} is not one of "
+                                  f"{sorted(ReasoningParser.DetectorMap)}")
+    if args.tool_call_parser is not None:
+        from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+        names = FunctionCallParser.ToolCallParserEnum
+        if args.tool_call_parser not in names:
+            raise ServerArgsError("tool_call_parser", f"{args.tool_call_parser!r} is not one of {sorted(names)}")
+
+
 def _check_logging(args: ServerArgs) -> None:
     _choice(args, "log_level")
 
@@ -347,8 +377,8 @@ def _check_parallel(args: ServerArgs) -> None:
             raise ServerArgsError("dist_init_addr", f"needs host:port with --nnodes > 1, got {args.dist_init_addr!r}")
 
 
-_VALIDATORS = [_check_model, _check_runtime, _check_parallel, _check_memory, _check_scheduling, _check_http, _check_logging,
-               _check_nsa]
+_VALIDATORS = [_check_model, _check_runtime, _check_parallel, _check_memory, _check_scheduling, _check_http, _check_api,
+               _check_logging, _check_nsa]
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:

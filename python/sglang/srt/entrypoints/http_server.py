@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, now_s
 from sglang.srt.entrypoints.openai.serving_chat import ChatHandler
 from sglang.srt.entrypoints.openai.serving_completions import CompletionHandler
+from sglang.srt.entrypoints.openai.serving_responses import ResponsesHandler, ResponsesRequest
 from sglang.srt.entrypoints.openai.serving_base import CLIENT_CLOSED_REQUEST
 from sglang.srt.entrypoints.openai.utils import SSE_DONE, abort_error, error_response, request_error_response, sse
 from sglang.srt.entrypoints.request_io import (
@@ -43,7 +44,9 @@ _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logp
 def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, version: str = "") -> FastAPI:
     app = FastAPI(title="sglang (DSA)", version=version, default_response_class=SafeJSONResponse)
     served = server_args.served_model_name
-    completions, chat = CompletionHandler(tm, served), ChatHandler(tm, served)
+    completions = CompletionHandler(tm, served)
+    chat = ChatHandler(tm, served, server_args.reasoning_parser, server_args.tool_call_parser)
+    responses = ResponsesHandler(chat)
 
     @app.on_event("startup")
     async def _start() -> None:
@@ -77,6 +80,26 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     @app.post("/v1/chat/completions")
     async def v1_chat(raw: Request):
         return await chat.handle(await read_model(raw, ChatCompletionRequest), raw)
+
+    @app.post("/v1/responses")
+    async def v1_responses(raw: Request):
+        return await responses.create(await read_model(raw, ResponsesRequest))
+
+    @app.get("/v1/responses/{response_id}")
+    async def v1_responses_get(response_id: str):
+        return responses.retrieve(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def v1_responses_cancel(response_id: str):
+        return responses.cancel(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def v1_responses_delete(response_id: str):
+        return responses.delete(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def v1_responses_input_items(response_id: str):
+        return responses.input_items(response_id)
 
     # -- native ----------------------------------------------------------------------------------------
     @app.api_route("/generate", methods=["POST", "PUT"])

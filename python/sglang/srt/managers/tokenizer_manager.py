@@ -88,6 +88,9 @@ class TokenizerManager:
         self.max_total_num_tokens = scheduler_info["max_total_num_tokens"]
         self.vocab_size = scheduler_info["vocab_size"]
         self.tokenizer = load_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
+        if server_args.chat_template is not None:
+            with open(server_args.chat_template, encoding="utf-8") as f:
+                self.tokenizer.chat_template = f.read()
         ctx = zmq.asyncio.Context(2)
         self.recv_from_workers = get_zmq_socket(ctx, zmq.PULL, port_args.tokenizer_ipc_name, True)
         self.send_to_scheduler = get_zmq_socket(ctx, zmq.PUSH, port_args.scheduler_input_ipc_name, False)

@@ -56,11 +56,18 @@ TOKENIZER_VOCAB_SIZE = 1024
 # The template adds bos itself; plain ``encode()`` never adds special tokens
 # (add_bos_token=False), so ``apply_chat_template(tokenize=True)`` and
 # ``encode(apply_chat_template(tokenize=False), add_special_tokens=...)`` agree.
-# Each turn ends with eos so that generation stops at eos.
+# Each turn ends with eos so that generation stops at eos. Tools are listed in a system turn, tool
+# results are a `tool` turn and an assistant's tool calls follow its content (a made-up format:
+# tests force real models' formats through scripted outputs).
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
+    "{%- if tools -%}"
+    "{{- '<|system|>\\n# Tools\\n' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson -}}{{- '\\n' -}}{%- endfor -%}"
+    "{{- eos_token + '\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
     "{{- raise_exception('Unsupported role: ' + message['role']) -}}"
     "{%- endif -%}"
     "{{- '<|' + message['role'] + '|>\\n' -}}"
@@ -71,6 +78,10 @@ CHAT_TEMPLATE = (
     "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}"
     "{%- endif -%}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set args = call['function']['arguments'] -%}"
+    "{{- '<tool_call>' + call['function']['name'] + ' ' + (args | tojson if args is mapping else args) + '</tool_call>' -}}"
+    "{%- endfor -%}"
     "{{- eos_token + '\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"

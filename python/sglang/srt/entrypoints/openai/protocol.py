@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sglang.srt.managers.tokenizer_manager import RequestError
 
 
 MAX_N = 128  # choices per request (OpenAI's limit); each choice is a full request to the scheduler
@@ -19,6 +22,29 @@ class _Request(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage (so far) on every chunk
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = "schema"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+# Upstream SGLang request fields this server does not implement: a request that sets one (to a
+# non-default value) is refused with a 400 naming it rather than silently served without it.
+UNSUPPORTED_FIELDS = {
+    "lora_path": None, "session_id": None, "session_params": None, "stop_regex": None,
+    "return_routed_experts": False, "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None,
+    "routed_dp_rank": None, "data_parallel_rank": None, "images_config": None, "input_ids": None,
+}
 
 
 class SamplingExtras(_Request):
@@ -36,6 +62,7 @@ class SamplingExtras(_Request):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # SGLang extensions
     top_k: int = -1
     min_p: float = 0.0
@@ -46,9 +73,45 @@ class SamplingExtras(_Request):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
+    custom_logit_processor: str | None = None
+    custom_params: dict[str, Any] | None = None
+    return_hidden_states: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            for name, default in UNSUPPORTED_FIELDS.items():
+                if values.get(name, default) not in (default, None):
+                    raise ValueError(f"{name} is not supported by this server")
+        return values
+
+    def grammar_params(self) -> dict[str, str]:
+        """regex / ebnf / json_schema sampling params from the request (response_format included);
+        more than one constraint is a 400 naming them."""
+        out: dict[str, str] = {k: v for k in ("regex", "ebnf", "json_schema") if (v := getattr(self, k))}
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            if rf.type == "json_object":
+                out["json_schema"] = json.dumps({"type": "object"})
+            else:
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise RequestError("response_format.json_schema.schema is required for type json_schema",
+                                       param="response_format")
+                out["json_schema"] = json.dumps(rf.json_schema.schema_)
+            if len(out) > 1:
+                raise RequestError("response_format cannot be combined with regex / ebnf / json_schema",
+                                   param="response_format")
+        if len(out) > 1:
+            raise RequestError(f"at most one of regex / ebnf / json_schema may be set, got {sorted(out)}",
+                               param=sorted(out)[0])
+        return out
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
-        return {
+        sp = {
             "max_new_tokens": max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -65,7 +128,11 @@ class SamplingExtras(_Request):
             "no_stop_trim": self.no_stop_trim,
             "logit_bias": self.logit_bias,
             "sampling_seed": self.seed,
+            **self.grammar_params(),
         }
+        if self.custom_params is not None:
+            sp["custom_params"] = self.custom_params
+        return sp
 
 
 class CompletionRequest(SamplingExtras):
@@ -77,11 +144,48 @@ class CompletionRequest(SamplingExtras):
     suffix: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    index: int | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class Function(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool = False
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class ToolChoiceFuncName(BaseModel):
+    name: str
+
+
+class ToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFuncName
 
 
 class ChatCompletionRequest(SamplingExtras):
@@ -90,9 +194,31 @@ class ChatCompletionRequest(SamplingExtras):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "required", "none"] | ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None
+    # SGLang extensions
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_default(self) -> "ChatCompletionRequest":
+        if self.tool_choice is None:  # OpenAI: none without tools, auto with them
+            self.tool_choice = "auto" if self.tools else "none"
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs with reasoning_effort "none" switching thinking off (both spellings:
+        deepseek-v3 reads `thinking`, GLM / Qwen read `enable_thinking`), as upstream does."""
+        kw = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            on = self.reasoning_effort != "none"
+            kw.setdefault("thinking", on)
+            kw.setdefault("enable_thinking", on)
+        return kw
 
 
 class UsageInfo(BaseModel):
@@ -100,6 +226,7 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] | None = None
+    reasoning_tokens: int | None = None
 
 
 def make_id(prefix: str) -> str:
@@ -130,3 +257,8 @@ def finish_reason_of(meta: dict) -> str | None:
     if fr is None:
         return None
     return {"length": "length", "stop": "stop", "abort": "abort"}.get(fr.get("type"), "stop")
+
+
+def matched_stop_of(meta: dict) -> int | str | None:
+    """The stop token id or string that ended the output; None when it ended for another reason."""
+    return (meta.get("finish_reason") or {}).get("matched")

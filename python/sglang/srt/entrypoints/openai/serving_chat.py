@@ -1,64 +1,105 @@
-"""/v1/chat/completions."""
+"""/v1/chat/completions: templates, reasoning and tool calls, structured outputs, streaming."""
 
 from __future__ import annotations
 
-from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, finish_reason_of, make_id, now_s, usage_of
-from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
-from sglang.srt.entrypoints.openai.protocol import MAX_N
-from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_bytes, token_text
-from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
+import json
+from typing import Any
 
-ROLES = {"system", "developer", "user", "assistant", "tool"}
+from sglang.srt.entrypoints.openai.chat_output import Event, OutputParser
+from sglang.srt.entrypoints.openai.chat_prompt import render_prompt
+from sglang.srt.entrypoints.openai.protocol import (
+    MAX_N,
+    ChatCompletionRequest,
+    ToolChoice,
+    finish_reason_of,
+    make_id,
+    matched_stop_of,
+    now_s,
+    usage_of,
+)
+from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
+from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_bytes, token_text
+from sglang.srt.function_call.utils import get_json_schema_constraint
+from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
+from sglang.srt.parser.reasoning_parser import reasoning_enabled
+
 MAX_TOP_LOGPROBS = 20
 
 
-def _messages_for_template(req: ChatCompletionRequest) -> list[dict]:
-    if not req.messages:
-        raise RequestError("messages must not be empty", param="messages")
-    out = []
-    for i, m in enumerate(req.messages):
-        if m.role not in ROLES:
-            raise RequestError(f"messages[{i}].role {m.role!r} is not one of {sorted(ROLES)}", param="messages")
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text":
-                    raise RequestError(f"messages[{i}]: content part type {part.get('type')!r} is not supported "
-                                       "(text only)", param="messages")
-                parts.append(part.get("text", ""))
-            content = "".join(parts)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-    return out
-
-
 class ChatHandler(OpenAIServingBase):
+    def __init__(self, tm, served_model_name: str, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None) -> None:
+        super().__init__(tm, served_model_name)
+        self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
+
+    # -- request -> generate requests ---------------------------------------------------------------
     async def _build(self, req: ChatCompletionRequest) -> list[tuple[GenerateRequest, tuple, int]]:
         check_model(self.served_model_name, req.model)
         if not 1 <= req.n <= MAX_N:
             raise RequestError(f"n must be in [1, {MAX_N}]", param="n")
-        if req.tools:
-            raise RequestError("tools / function calling are not supported by this server", param="tools")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise RequestError("response_format other than text is not supported", param="response_format")
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
             if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
-        prompt = await self.tm.run_in_pool(self._render_template, _messages_for_template(req))
+        tools = self._tools(req)
+        mode = self.tool_mode(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        base = GenerateRequest(text=prompt, sampling_params=req.sampling_params(max_tokens),
-                               return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, stream=req.stream)
-        rid, ids, sp = await self.tm.prepare(base)
-        return [(base, (f"{rid}-{j}" if req.n > 1 else (req.rid or rid), ids, sp), 0) for j in range(req.n)]
+        sp = req.sampling_params(max_tokens)
+        if mode == "json_array":
+            if any(k in sp for k in ("regex", "ebnf", "json_schema")):
+                raise RequestError("tool_choice required / a named function cannot be combined with "
+                                   "response_format, regex, ebnf or json_schema", param="tool_choice")
+            schema = get_json_schema_constraint(tools, self._tool_choice_dict(req), req.parallel_tool_calls)
+            sp["json_schema"] = json.dumps(schema)
+        arch = self.tm.scheduler_info.get("architecture")
+        prompt = await self.tm.run_in_pool(render_prompt, self.tm.tokenizer, arch, req.messages,
+                                           tools if req.tool_choice != "none" else None, req.template_kwargs(),
+                                           req.continue_final_message)
+        base = GenerateRequest(text=prompt, sampling_params=sp, return_logprob=req.logprobs,
+                               top_logprobs_num=req.top_logprobs or 0, stream=req.stream,
+                               custom_logit_processor=req.custom_logit_processor,
+                               return_hidden_states=req.return_hidden_states)
+        rid, ids, sp_obj = await self.tm.prepare(base)
+        return [(base, (f"{rid}-{j}" if req.n > 1 else (req.rid or rid), ids, sp_obj), 0) for j in range(req.n)]
 
-    def _render_template(self, messages: list[dict]) -> str:
-        try:
-            return self.tm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:
-            raise RequestError(f"cannot apply the chat template: {e}", param="messages") from None
+    @staticmethod
+    def _tools(req: ChatCompletionRequest) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
 
+    @staticmethod
+    def _tool_choice_dict(req: ChatCompletionRequest) -> Any:
+        tc = req.tool_choice
+        return tc.model_dump() if isinstance(tc, ToolChoice) else tc
+
+    def tool_mode(self, req: ChatCompletionRequest) -> str:
+        """none | parser (find calls in free text) | json_array (the grammar forces the calls)."""
+        if not req.tools or req.tool_choice == "none":
+            if isinstance(req.tool_choice, ToolChoice) or req.tool_choice == "required":
+                raise RequestError("tool_choice requires tools", param="tool_choice")
+            return "none"
+        if isinstance(req.tool_choice, ToolChoice):
+            names = {t.function.name for t in req.tools}
+            if req.tool_choice.function.name not in names:
+                raise RequestError(f"tool_choice names function {req.tool_choice.function.name!r}, which is not "
+                                   f"in tools ({sorted(names)})", param="tool_choice")
+            return "json_array"
+        if req.tool_choice == "required":
+            return "json_array"
+        if self.tool_call_parser is None:
+            raise RequestError("tools with tool_choice auto need a tool-call parser: start the server with "
+                               "--tool-call-parser (e.g. deepseekv32, deepseekv31, glm47)", param="tools")
+        return "parser"
+
+    def output_parser(self, req: ChatCompletionRequest) -> OutputParser:
+        reasoning = None
+        if (self.reasoning_parser and req.separate_reasoning
+                and reasoning_enabled(self.reasoning_parser, req.template_kwargs())):
+            reasoning = self.reasoning_parser
+        return OutputParser(reasoning, req.template_kwargs(), req.stream_reasoning, self._tools(req),
+                            self.tool_mode(req), self.tool_call_parser, req.parallel_tool_calls)
+
+    # -- logprobs ---------------------------------------------------------------------------------
     def _logprobs(self, meta: dict, start: int) -> dict:
         tok = self.tm.tokenizer
         outs = meta.get("output_token_logprobs") or []
@@ -68,30 +109,66 @@ class ChatHandler(OpenAIServingBase):
             content.append({
                 "token": token_text(tok, tid), "logprob": lp, "bytes": token_bytes(tok, tid),
                 "top_logprobs": [{"token": token_text(tok, i), "logprob": v, "bytes": token_bytes(tok, i)}
-                                 for v, i, _ in (top or [])],
+                                 for v, i, *_ in (top or [])],
             })
         return {"content": content}
 
+    def _reasoning_tokens(self, text: str | None) -> int:
+        return len(self.tm.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+    # -- non-streaming ----------------------------------------------------------------------------
     def _render(self, req: ChatCompletionRequest, items, results: list[dict]) -> dict:
-        choices = []
-        for idx, res in enumerate(results):
-            choice = {"index": idx, "message": {"role": "assistant", "content": res["text"]},
-                      "logprobs": self._logprobs(res["meta_info"], 0) if req.logprobs else None,
-                      "finish_reason": finish_reason_of(res["meta_info"])}
-            fr = res["meta_info"].get("finish_reason") or {}
-            if "matched" in fr:
-                choice["matched_stop"] = fr["matched"]
+        choices, reasoning_tokens = [], 0
+        for idx, ((base, _, _), res) in enumerate(zip(items, results)):
+            parsed = self.output_parser(req).parse_full(res["text"])
+            meta = res["meta_info"]
+            fr = finish_reason_of(meta)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content,
+                                       "reasoning_content": parsed.reasoning, "tool_calls": None}
+            if parsed.tool_calls:
+                message["tool_calls"] = [{k: v for k, v in c.to_openai().items() if k != "index"}
+                                         for c in parsed.tool_calls]
+                fr = "tool_calls" if fr == "stop" else fr
+            elif message["content"] is None:
+                message["content"] = ""
+            reasoning_tokens += self._reasoning_tokens(parsed.reasoning)
+            choice = {"index": idx, "message": message,
+                      "logprobs": self._logprobs(meta, 0) if req.logprobs else None,
+                      "finish_reason": fr, "matched_stop": matched_stop_of(meta)}
+            if "hidden_states" in meta:
+                choice["hidden_states"] = meta["hidden_states"]
             choices.append(choice)
+        usage = usage_of(results)
+        if self.reasoning_parser:
+            usage.reasoning_tokens = reasoning_tokens
         return {"id": make_id("chatcmpl"), "object": "chat.completion", "created": now_s(), "model": req.model,
-                "choices": choices, "usage": usage_of(results).model_dump()}
+                "choices": choices, "usage": usage.model_dump(exclude_none=True)}
+
+    # -- streaming ---------------------------------------------------------------------------------
+    @staticmethod
+    def _delta(ev: Event) -> dict:
+        if ev.kind == "reasoning":
+            return {"reasoning_content": ev.text}
+        if ev.kind == "content":
+            return {"content": ev.text}
+        if ev.kind == "tool_start":
+            return {"tool_calls": [{"index": ev.call.index, "id": ev.call.id, "type": "function",
+                                    "function": {"name": ev.call.name, "arguments": ""}}]}
+        return {"tool_calls": [{"index": ev.call.index, "function": {"arguments": ev.text}}]}
 
     async def _stream(self, req: ChatCompletionRequest, items):
         cid, created = make_id("chatcmpl"), now_s()
+        opts = req.stream_options
+        continuous = bool(opts and opts.continuous_usage_stats)
 
-        def chunk(choices: list[dict], **extra) -> str:
-            return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                        "choices": choices, **extra})
+        def chunk(choices: list[dict], usage_meta: list[dict] | None = None, **extra) -> str:
+            body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                    "choices": choices, **extra}
+            if continuous and usage_meta is not None:
+                body["usage"] = usage_of([{"meta_info": m} for m in usage_meta]).model_dump(exclude_none=True)
+            return sse(body)
 
+        parsers = [self.output_parser(req) for base, _, _ in items]
         sent_lp = [0] * len(items)
         finals: dict[int, dict] = {}
         for idx in range(len(items)):
@@ -101,19 +178,32 @@ class ChatHandler(OpenAIServingBase):
             async for idx, update in merge_streams([self.tm.generate(b, p) for b, p, _ in items]):
                 res, text = update["result"], update["text_delta"]
                 meta = res["meta_info"]
+                meta["prompt_index"] = 0
                 fr = finish_reason_of(meta)
+                events = parsers[idx].feed(text) if text else []
+                if fr is not None:
+                    events += parsers[idx].finish()
+                    finals[idx] = res
+                    if parsers[idx].tool_calls and fr == "stop":
+                        fr = "tool_calls"
+                if not events and fr is None:
+                    continue  # nothing to show yet (a partial character, a held-back tag): no empty delta
                 lp = None
                 if req.logprobs:
                     lp = self._logprobs(meta, sent_lp[idx])
                     sent_lp[idx] = len(meta.get("output_token_logprobs") or [])
-                if fr is not None:
-                    meta["prompt_index"] = 0
-                    finals[idx] = res
-                if text or fr is not None or (lp and lp["content"]):
-                    yield chunk([{"index": idx, "delta": {"content": text} if text else {}, "logprobs": lp,
-                                  "finish_reason": fr}])
-            if req.stream_options and req.stream_options.include_usage:
-                yield chunk([], usage=usage_of(list(finals.values())).model_dump())
+                deltas = [self._delta(ev) for ev in events] or [{}]
+                for j, delta in enumerate(deltas):
+                    last = j == len(deltas) - 1
+                    choice = {"index": idx, "delta": delta, "logprobs": lp if j == 0 else None,
+                              "finish_reason": fr if last else None}
+                    if last and fr is not None:
+                        choice["matched_stop"] = matched_stop_of(meta)
+                        if "hidden_states" in meta:
+                            choice["hidden_states"] = meta["hidden_states"]
+                    yield chunk([choice], [meta])
+            if opts and opts.include_usage:
+                yield chunk([], usage=usage_of(list(finals.values())).model_dump(exclude_none=True))
         except RequestError as e:
             yield sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.code}})
         yield SSE_DONE

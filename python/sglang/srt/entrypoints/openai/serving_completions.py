@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import asyncio
 
-from sglang.srt.entrypoints.openai.protocol import CompletionRequest, finish_reason_of, make_id, now_s, usage_of
+from sglang.srt.entrypoints.openai.protocol import (
+    CompletionRequest,
+    finish_reason_of,
+    make_id,
+    matched_stop_of,
+    now_s,
+    usage_of,
+)
 from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
 from sglang.srt.entrypoints.openai.protocol import MAX_N
 from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_text
@@ -43,7 +50,8 @@ class CompletionHandler(OpenAIServingBase):
         bases = [GenerateRequest(
             text=p.get("text"), input_ids=p.get("input_ids"), sampling_params=req.sampling_params(req.max_tokens),
             return_logprob=want_lp, logprob_start_len=0 if (want_lp and req.echo) else -1,
-            top_logprobs_num=req.logprobs or 0, stream=req.stream) for p in _prompts(req.prompt)]
+            top_logprobs_num=req.logprobs or 0, stream=req.stream, custom_logit_processor=req.custom_logit_processor,
+            return_hidden_states=req.return_hidden_states) for p in _prompts(req.prompt)]
         out = []
         for pi, (base, prepared) in enumerate(zip(bases, await asyncio.gather(*map(self.tm.prepare, bases)))):
             for j in range(req.n):
@@ -91,6 +99,7 @@ class CompletionHandler(OpenAIServingBase):
         sent_lp = [0] * len(items)
         first = [True] * len(items)
         finals: dict[int, dict] = {}
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         streams = [self.tm.generate(base, prepared) for base, prepared, _ in items]
         try:
             async for idx, update in merge_streams(streams):
@@ -101,6 +110,8 @@ class CompletionHandler(OpenAIServingBase):
                 if first[idx] and req.echo:
                     text = (base.text if base.text is not None else self.tm.tokenizer.decode(prepared[1])) + text
                 choice = {"index": idx, "text": text, "logprobs": None, "finish_reason": finish_reason_of(meta)}
+                if not text and choice["finish_reason"] is None:
+                    continue  # logprobs of held-back tokens go out with the next text
                 if req.logprobs is not None:
                     choice["logprobs"] = self._logprobs(meta, sent_lp[idx], req.echo and first[idx], 0)
                     sent_lp[idx] = len(meta.get("output_token_logprobs") or [])
@@ -109,9 +120,12 @@ class CompletionHandler(OpenAIServingBase):
                     meta["prompt_index"] = pi
                     finals[idx] = res
                     _attach_matched_stop(choice, meta)
-                if text or choice["finish_reason"] is not None or choice["logprobs"]:
-                    yield sse({"id": cid, "object": "text_completion", "created": created, "model": req.model,
-                               "choices": [choice]})
+                if text or choice["finish_reason"] is not None:  # a partial character waits: no empty chunk
+                    body = {"id": cid, "object": "text_completion", "created": created, "model": req.model,
+                            "choices": [choice]}
+                    if continuous:
+                        body["usage"] = usage_of([res]).model_dump(exclude_none=True)
+                    yield sse(body)
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({"id": cid, "object": "text_completion", "created": created, "model": req.model,
                            "choices": [], "usage": usage_of(list(finals.values())).model_dump()})
@@ -121,6 +135,6 @@ class CompletionHandler(OpenAIServingBase):
 
 
 def _attach_matched_stop(choice: dict, meta: dict) -> None:
-    fr = meta.get("finish_reason") or {}
-    if "matched" in fr:
-        choice["matched_stop"] = fr["matched"]
+    choice["matched_stop"] = matched_stop_of(meta)
+    if "hidden_states" in meta:
+        choice["hidden_states"] = meta["hidden_states"]

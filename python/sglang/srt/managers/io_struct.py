@@ -19,6 +19,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     stream: bool = False
     input_text: str | None = None
+    return_hidden_states: bool = False
 
 
 @dataclass
@@ -70,6 +71,9 @@ class ReqOutput:
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     input_token_logprobs: list[float] | None = None  # sent once, with the first output
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # return_hidden_states: entries to append to meta_info["hidden_states"] (upstream's shape: the
+    # prompt's rows as one [prompt_len][H] entry, then one [H] row per later token fed to the model)
+    hidden_states: list | None = None
     # Decoding settings the detokenizer needs (sent with every delta; small).
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

@@ -47,6 +47,8 @@ class RequestState:
                 self.meta.setdefault("output_top_logprobs", []).extend(_top_tuples(out.output_top_logprobs))
         if out.input_token_logprobs is not None:
             self._set_input_logprobs(out)
+        if out.hidden_states:
+            self.meta.setdefault("hidden_states", []).extend(out.hidden_states)
         if out.finished_reason is not None:
             self.meta["finish_reason"] = out.finished_reason
             self.meta["e2e_latency"] = time.monotonic() - self.created

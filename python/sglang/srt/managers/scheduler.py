@@ -78,7 +78,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if sp.max_new_tokens is None:  # upstream: bounded only by the context length
             sp.max_new_tokens = max(self.context_len - len(recv.input_ids), 0)
         req = Req(recv.rid, recv.input_ids, sp, recv.return_logprob, recv.logprob_start_len,
-                  recv.top_logprobs_num, recv.stream)
+                  recv.top_logprobs_num, recv.stream, recv.return_hidden_states)
         error = request_length_error(len(req.origin_input_ids), sp.max_new_tokens, self.context_len,
                                      self.max_total_num_tokens, self.page_size)
         if error is not None:

@@ -130,3 +130,42 @@ def finish_reason_of(meta: dict) -> str | None:
     if fr is None:
         return None
     return {"length": "length", "stop": "stop", "abort": "abort"}.get(fr.get("type"), "stop")
+
+
+# -- tokenize / detokenize / model cards (upstream's /v1/tokenize, /v1/detokenize, /v1/models/{id}) --
+from pydantic import StrictInt  # noqa: E402  (this section is appended; the imports above belong to others)
+
+
+class TokenizeRequest(_Request):
+    """Exactly one of `prompt` (a string or a list of strings) and `messages` (rendered with the
+    chat template, as /v1/chat/completions would)."""
+
+    model: str = "default"
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int] | list[list[int]]
+    count: int | list[int]
+    max_model_len: int
+
+
+class DetokenizeRequest(_Request):
+    model: str = "default"
+    tokens: list[StrictInt] | list[list[StrictInt]]  # "1" / true / 1.0 are not token ids
+    skip_special_tokens: bool = True
+
+
+class DetokenizeResponse(BaseModel):
+    text: str | list[str]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "sglang"
+    root: str | None = None
+    max_model_len: int | None = None

@@ -55,6 +55,8 @@ class SchedulerStats:
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_leak: str | None = None  # the idle-time invariant check (None = fine or busy)
+    num_used_tokens: int = 0  # KV tokens held by requests (upstream's #token)
+    gen_throughput: float = 0.0  # decode tokens/s over the last --decode-log-interval steps
 
 
 @dataclass

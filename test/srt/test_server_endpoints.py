@@ -301,3 +301,25 @@ def test_prefill_and_decode_stats_lines(server, tok):
     running, tokens, usage, graph, thr, queue = decodes[0]
     assert int(running) == 1 and int(tokens) >= n_prompt and float(thr) > 0 and int(queue) == 0
     assert graph == "False"  # CPU: no CUDA graphs
+
+
+def test_hidden_states_match_transformers(builtin_path):
+    """The oracle: transformers' hidden_states[-1] (after the final norm) at every position of
+    prompt + outputs[:-1], across chunked prefill, a batch, and a prefix the cache already holds."""
+    from sglang.srt.testing.reference import load_hf_reference
+
+    path = builtin_path("tiny-deepseek-v32")
+    hf = load_hf_reference(path)
+    engine = Engine(model_path=path, dtype="float32", max_total_tokens=4096, nsa_index_k_dtype="float32",
+                    random_seed=0, enable_return_hidden_states=True, chunked_prefill_size=16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 1000, (n,), generator=g).tolist() for n in (5, 40)]
+    sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    engine.generate(input_ids=prompts[1], sampling_params=sp)  # its prompt is now cached: must not be skipped
+    for p, r in zip(prompts, engine.generate(input_ids=prompts, sampling_params=sp, return_hidden_states=True)):
+        hs = r["meta_info"]["hidden_states"]
+        ours = torch.tensor(hs[0] + hs[1:])
+        with torch.no_grad():
+            ref = hf(torch.tensor([p + r["output_ids"][:-1]]), output_hidden_states=True).hidden_states[-1][0]
+        assert ours.shape == ref.shape == (len(p) + 5, hf.config.hidden_size)
+        torch.testing.assert_close(ours, ref.float(), rtol=0, atol=1e-4)

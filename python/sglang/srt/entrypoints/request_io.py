@@ -2,8 +2,9 @@
 
 In: the body must be UTF-8 JSON that Python's json can parse (not nested past the recursion
 limit) and hold no lone UTF-16 surrogate (JSON lets `"\\ud800"` through, no tokenizer can encode
-it); OpenAI-shaped models are then validated by pydantic. Every failure is a `RequestError` (400 naming
-the field; upstream answers validation errors with 400, not FastAPI's 422). Parsing runs in a worker thread, so a large body does not stall the loop.
+it); OpenAI-shaped models are then validated by pydantic. Every failure is a `RequestError`
+(400 naming the field, as upstream answers validation errors -- not FastAPI's 422). Parsing runs
+in a worker thread, so a large body does not stall the loop.
 Out: JSON has no NaN / Infinity, so non-finite floats are written as OpenAI does for impossible
 tokens (-inf -> -9999.0) or as null (NaN), in responses and in SSE events alike.
 While a non-streaming request runs, its client's disconnect is watched so the request is

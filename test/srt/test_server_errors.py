@@ -44,8 +44,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "default", "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}], "n": 2**31}, 400, "n"),
     ("/v1/completions", {"model": "default", "prompt": "x", "logprobs": 99}, 400, "logprobs"),
-    ("/v1/completions", {"model": "default", "prompt": "x", "temperature": "hot"}, 422, "temperature"),
-    ("/v1/completions", {"model": "default"}, 422, "prompt"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": "default"}, 400, "prompt"),
     ("/v1/completions", {"model": "default", "prompt": []}, 400, "prompt"),
     ("/v1/completions", {"model": "default", "prompt": [999999]}, 400, "input_ids"),
     ("/v1/completions", {"model": "default", "prompt": "word " * 5000, "max_tokens": 1}, 400, "prompt"),
@@ -59,6 +59,7 @@ BAD_REQUESTS = [
     ("/generate", {"text": "x", "sampling_params": {"temprature": 0.5}}, 400, None),
     ("/generate", {"sampling_params": {}}, 400, "text"),
     ("/generate", {"text": "x", "bogus": 1}, 400, "bogus"),
+    ("/generate", {"text": "x", "return_hidden_states": True}, 400, "return_hidden_states"),
     ("/no/such/route", {}, 404, None),
 ]
 
@@ -73,6 +74,12 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(server, path, bo
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if param is not None:
         assert err["param"] == param, err
+    _ok(server)
+
+
+def test_hidden_states_need_the_flag(server):
+    r = requests.post(server.base_url + "/generate", headers=_auth(), json={"text": "x", "return_hidden_states": True})
+    assert r.status_code == 400 and "--enable-return-hidden-states" in r.json()["error"]["message"]
     _ok(server)
 
 
@@ -102,7 +109,9 @@ def test_metrics(server):
     text = requests.get(server.base_url + "/metrics", headers=_auth()).text
     for name in ("sglang:num_requests_total", "sglang:prompt_tokens_total", "sglang:generation_tokens_total",
                  "sglang:time_to_first_token_seconds_bucket", "sglang:time_per_output_token_seconds_bucket",
-                 "sglang:token_usage", "sglang:cache_hit_rate", "sglang:max_total_num_tokens"):
+                 "sglang:token_usage", "sglang:cache_hit_rate", "sglang:max_total_num_tokens",
+                 "sglang:num_used_tokens", "sglang:gen_throughput", "sglang:inter_token_latency_seconds_bucket",
+                 "sglang:num_aborted_requests_total"):
         assert name in text, name
 
 
@@ -119,6 +128,8 @@ def _launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["--model-path", MODEL, "--json-model-override-args", '{"num_hidden_layers": -1}'], "--json-model-override-args"),
     (["--model-path", MODEL, "--json-model-override-args", '{"index_topk": "32"}'], "--json-model-override-args"),
     (["--model-path", MODEL, "--graceful-shutdown-timeout", "-1"], "--graceful-shutdown-timeout"),
+    (["--model-path", MODEL, "--max-payload-size", "0"], "--max-payload-size"),
+    (["--model-path", MODEL, "--decode-log-interval", "0"], "--decode-log-interval"),
     (["--model-path", MODEL, "--tp-size", "3"], "--tp-size"),
     (["--model-path", MODEL, "--chunked-prefill-size", "0"], "--chunked-prefill-size"),
     (["--model-path", MODEL, "--schedule-policy", "random"], "--schedule-policy"),

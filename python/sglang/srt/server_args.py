@@ -128,6 +128,13 @@ class ServerArgs:
     log_requests: bool = _f(False, "Log every request's metadata (id, token counts, sampling params, latency) "
                             "and the HTTP access log.", "logging")
 
+    # -- endpoints, metrics and stats logs (upstream names) -------------------------------------
+    max_payload_size: int = _f(32 * 2**20, "Largest HTTP request body in bytes; larger ones get a 413 error.", "http")
+    enable_return_hidden_states: bool = _f(False, "Allow requests to ask for return_hidden_states (the last layer's "
+                                           "hidden state per token, in meta_info); others get a 400.", "http")
+    decode_log_interval: int = _f(40, "Log a 'Decode batch.' stats line every N decode steps (prefill batches log "
+                                  "one line each, at INFO).", "logging")
+
     # -- NSA / DSA ------------------------------------------------------------------------------
     nsa_index_k_dtype: str = _f("fp8_e4m3", "Indexer K cache dtype: fp8_e4m3 (+ fp32 scales, like upstream), "
                                 "or an exact bfloat16 / float32 mode (matches the unquantised reference).",
@@ -379,6 +386,14 @@ def _check_parallel(args: ServerArgs) -> None:
 
 _VALIDATORS = [_check_model, _check_runtime, _check_parallel, _check_memory, _check_scheduling, _check_http, _check_api,
                _check_logging, _check_nsa]
+
+
+def _check_endpoints(args: ServerArgs) -> None:
+    _positive(args, "max_payload_size", allow_none=False)
+    _positive(args, "decode_log_interval", allow_none=False)
+
+
+_VALIDATORS.append(_check_endpoints)
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:

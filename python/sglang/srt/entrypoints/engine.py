@@ -60,7 +60,8 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------
     def _submit(self, prompt: str | None, input_ids: list[int] | None, params: dict | SamplingParams | None,
-                return_logprob: bool, logprob_start_len: int, top_logprobs_num: int) -> _Pending:
+                return_logprob: bool, logprob_start_len: int, top_logprobs_num: int,
+                return_hidden_states: bool = False) -> _Pending:
         sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(dict(params or {}))
         sp.normalize(self.tokenizer)
         sp.verify(self.model_config.vocab_size)
@@ -73,7 +74,8 @@ class Engine:
                              sp.stop_strs, sp.no_stop_trim)
         pending = _Pending(rid, decode, list(input_ids), logprob_start_len)
         for out in self.scheduler.add_request(TokenizedGenerateReqInput(
-                rid, list(input_ids), sp, return_logprob, logprob_start_len, top_logprobs_num)):
+                rid, list(input_ids), sp, return_logprob, logprob_start_len, top_logprobs_num,
+                return_hidden_states=return_hidden_states)):
             pending.push(out)
         return pending
 
@@ -96,6 +98,7 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         stream: bool = False,
+        return_hidden_states: bool = False,
     ):
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
 
@@ -112,8 +115,11 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling_params for {n} prompts")
+        if return_hidden_states and not self.server_args.enable_return_hidden_states:
+            raise ValueError("return_hidden_states needs enable_return_hidden_states=True")
         pendings = [self._submit(prompts[i] if prompts else None, ids[i] if ids else None, params[i],
-                                 return_logprob, logprob_start_len, top_logprobs_num) for i in range(n)]
+                                 return_logprob, logprob_start_len, top_logprobs_num, return_hidden_states)
+                    for i in range(n)]
         if stream:
             if n != 1:
                 raise ValueError("stream=True takes a single prompt")

@@ -13,14 +13,23 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, now_s
+from sglang.srt.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    TokenizeRequest,
+    now_s,
+)
 from sglang.srt.entrypoints.openai.serving_chat import ChatHandler
 from sglang.srt.entrypoints.openai.serving_completions import CompletionHandler
 from sglang.srt.entrypoints.openai.serving_responses import ResponsesHandler, ResponsesRequest
 from sglang.srt.entrypoints.openai.serving_base import CLIENT_CLOSED_REQUEST
+from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingDetokenize, OpenAIServingTokenize
 from sglang.srt.entrypoints.openai.utils import SSE_DONE, abort_error, error_response, request_error_response, sse
 from sglang.srt.entrypoints.request_io import (
     ClientDisconnected,
@@ -34,11 +43,10 @@ from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 * 2**20  # ~8M tokens of input_ids JSON: far beyond any context
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                  405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error"}
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-                  "top_logprobs_num", "rid"}
+                  "top_logprobs_num", "rid", "return_text_in_logprobs", "return_hidden_states"}
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, version: str = "") -> FastAPI:
@@ -47,12 +55,13 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     completions = CompletionHandler(tm, served)
     chat = ChatHandler(tm, served, server_args.reasoning_parser, server_args.tool_call_parser)
     responses = ResponsesHandler(chat)
+    tokenize, detokenize = OpenAIServingTokenize(tm, served), OpenAIServingDetokenize(tm, served)
 
     @app.on_event("startup")
     async def _start() -> None:
         tm.start()
 
-    app.add_middleware(GuardMiddleware, api_key=server_args.api_key)
+    app.add_middleware(GuardMiddleware, api_key=server_args.api_key, max_payload_size=server_args.max_payload_size)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):  # keep serving; report as JSON
@@ -63,15 +72,41 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     async def _http(request: Request, exc: StarletteHTTPException):
         return error_response(str(exc.detail), exc.status_code, _STATUS_TYPES.get(exc.status_code, "server_error"))
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):  # upstream: 400, not FastAPI's 422
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        return error_response(f"invalid request: {loc}: {first.get('msg', 'invalid value')}", 400, param=loc or None)
+
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
         return request_error_response(exc)
 
     # -- OpenAI ---------------------------------------------------------------------------------------
+    def model_card() -> dict:
+        return ModelCard(id=served, created=now_s(), root=server_args.model_path,
+                         max_model_len=tm.context_len).model_dump()
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served, "object": "model", "created": now_s(), "owned_by": "sglang",
-                                            "root": server_args.model_path, "max_model_len": tm.context_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # ids may contain '/' (a model path)
+    async def retrieve_model(model_id: str):
+        if model_id != served:
+            return error_response(f"The model `{model_id}` does not exist; this server serves `{served}`.", 404,
+                                  param="model", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/tokenize")
+    @app.post("/tokenize")
+    async def v1_tokenize(raw: Request):
+        return await tokenize.handle(await read_model(raw, TokenizeRequest))
+
+    @app.post("/v1/detokenize")
+    @app.post("/detokenize")
+    async def v1_detokenize(raw: Request):
+        return await detokenize.handle(await read_model(raw, DetokenizeRequest))
 
     @app.post("/v1/completions")
     async def v1_completions(raw: Request):
@@ -106,19 +141,28 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     async def generate(raw: Request):
         body = await read_json(raw)
         reqs, single = await asyncio.to_thread(_native_requests, body)  # O(len(input_ids)) checks
+        if reqs[0].return_hidden_states and not server_args.enable_return_hidden_states:
+            raise RequestError("return_hidden_states needs the server started with --enable-return-hidden-states",
+                               param="return_hidden_states")
+        with_text = bool(body.get("return_text_in_logprobs"))
         prepared = await asyncio.gather(*map(tm.prepare, reqs))
         if body.get("stream"):
             if not single:
                 return error_response("stream=true takes a single prompt", 400, param="stream")
             tm.check_can_start(prepared[0][0])
-            return StreamingResponse(_native_stream(tm, reqs[0], prepared[0]), media_type="text/event-stream")
+            return StreamingResponse(_native_stream(tm, reqs[0], prepared[0], with_text),
+                                     media_type="text/event-stream")
         try:
             results = await unless_disconnected(raw, asyncio.gather(*[tm.generate_full(r, p)
                                                                       for r, p in zip(reqs, prepared)]))
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         aborted = abort_error(results) if len(results) == 1 else None  # a batch reports aborts per item
-        return aborted or (results[0] if single else results)
+        if aborted is not None:
+            return aborted
+        if with_text:
+            await tm.run_in_pool(lambda: [add_logprob_texts(r["meta_info"], tm.tokenizer) for r in results])
+        return results[0] if single else results
 
     @app.get("/health")
     async def health():
@@ -172,11 +216,12 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
 
 
 class GuardMiddleware:
-    """Pure ASGI (streams and client disconnects pass through untouched): rejects oversized
-    bodies (413) and, with --api-key, requests without the bearer token (401), except /health."""
+    """Pure ASGI (streams and client disconnects pass through untouched): rejects bodies over
+    --max-payload-size (413; a declared length at once, a chunked body as soon as it passes the
+    limit) and, with --api-key, requests without the bearer token (401), except /health."""
 
-    def __init__(self, app, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key
+    def __init__(self, app, api_key: str | None, max_payload_size: int) -> None:
+        self.app, self.api_key, self.max_payload_size = app, api_key, max_payload_size
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -184,14 +229,48 @@ class GuardMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         length = headers.get("content-length", "")
         reject = None
-        if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            reject = error_response(f"request body larger than {MAX_BODY_BYTES} bytes", 413)
+        if length.isdigit() and int(length) > self.max_payload_size:
+            reject = self._too_large()
         elif self.api_key and scope.get("path") != "/health" and headers.get("authorization") != f"Bearer {self.api_key}":
             reject = error_response("Incorrect or missing API key (Authorization: Bearer ...).", 401,
                                     "authentication_error", code="invalid_api_key")
         if reject is not None:
             return await reject(scope, receive, send)
-        return await self.app(scope, receive, send)
+        if length.isdigit():
+            return await self.app(scope, receive, send)
+        return await self._counted(scope, receive, send)
+
+    def _too_large(self):
+        return error_response(f"request body larger than --max-payload-size ({self.max_payload_size} bytes)", 413,
+                              param="max_payload_size")
+
+    async def _counted(self, scope, receive, send):
+        """A body without Content-Length (chunked): count it as it arrives."""
+        seen, started = 0, False
+
+        async def counted_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_payload_size:
+                    raise _PayloadTooLarge()
+            return msg
+
+        async def tracked_send(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            return await self.app(scope, counted_receive, tracked_send)
+        except _PayloadTooLarge:
+            if not started:
+                return await self._too_large()(scope, receive, send)
+
+
+class _PayloadTooLarge(Exception):
+    pass
 
 
 def _typed(body: dict, key: str, types: tuple, default, check=None):
@@ -248,18 +327,46 @@ def _native_requests(body: dict) -> tuple[list[GenerateRequest], bool]:
     start = _typed(body, "logprob_start_len", (int,), -1, lambda v: v >= -1)
     top_n = _typed(body, "top_logprobs_num", (int,), 0, lambda v: 0 <= v <= 20)
     stream = _typed(body, "stream", (bool,), False)
+    _typed(body, "return_text_in_logprobs", (bool,), False)
+    hidden = _typed(body, "return_hidden_states", (bool,), False)
     reqs = [GenerateRequest(text=p.get("text"), input_ids=p.get("input_ids"), sampling_params=s,
                             return_logprob=return_logprob, logprob_start_len=start, top_logprobs_num=top_n,
-                            stream=stream, rid=r if single or isinstance(rid, list) else None)
+                            stream=stream, rid=r if single or isinstance(rid, list) else None,
+                            return_hidden_states=hidden)
             for p, s, r in zip(prompts, sps, rids)]
     return reqs, single
 
 
-async def _native_stream(tm: TokenizerManager, req: GenerateRequest, prepared):
+async def _native_stream(tm: TokenizerManager, req: GenerateRequest, prepared, with_text: bool = False):
     """Upstream /generate streaming: each event carries the whole text so far."""
+    texts: dict[int, str] = {}
     try:
         async for update in tm.generate(req, prepared):
+            if with_text:
+                add_logprob_texts(update["result"]["meta_info"], tm.tokenizer, texts)
             yield sse(update["result"])
     except RequestError as e:
         yield sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.code}})
     yield SSE_DONE
+
+
+_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
+_TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
+
+
+def add_logprob_texts(meta: dict, tokenizer, cache: dict[int, str] | None = None) -> None:
+    """return_text_in_logprobs: each (logprob, id, None) becomes (logprob, id, text), the text of
+    that token alone (upstream's shape)."""
+    cache = {} if cache is None else cache
+
+    def text(tid: int) -> str:
+        if tid not in cache:
+            cache[tid] = tokenizer.decode([tid])
+        return cache[tid]
+
+    for key in _LOGPROB_KEYS:
+        if meta.get(key) is not None:
+            meta[key] = [(lp, tid, text(tid)) for lp, tid, *_ in meta[key]]
+    for key in _TOP_KEYS:
+        if meta.get(key) is not None:
+            meta[key] = [None if row is None else [(lp, tid, text(tid)) for lp, tid, *_ in row] for row in meta[key]]

@@ -2,8 +2,9 @@
 
 In: the body must be UTF-8 JSON that Python's json can parse (not nested past the recursion
 limit) and hold no lone UTF-16 surrogate (JSON lets `"\\ud800"` through, no tokenizer can encode
-it); OpenAI-shaped models are then validated by pydantic. Every failure is a `RequestError` (400 /
-422 naming the field). Parsing runs in a worker thread, so a large body does not stall the loop.
+it); OpenAI-shaped models are then validated by pydantic. Every failure is a `RequestError`
+(400 naming the field, as upstream answers validation errors -- not FastAPI's 422). Parsing runs
+in a worker thread, so a large body does not stall the loop.
 Out: JSON has no NaN / Infinity, so non-finite floats are written as OpenAI does for impossible
 tokens (-inf -> -9999.0) or as null (NaN), in responses and in SSE events alike.
 While a non-streaming request runs, its client's disconnect is watched so the request is
@@ -56,16 +57,25 @@ def parse_json_body(body: bytes) -> Any:
 
 
 def validate_model(model: type[M], value: Any) -> M:
-    """JSON value -> pydantic model, or RequestError (422 naming the first bad field)."""
+    """JSON value -> pydantic model, or RequestError (400, as upstream, naming the first bad field)."""
     try:
         return model.model_validate(value)
     except ValidationError as e:
         first = e.errors()[0] if e.errors() else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise RequestError(f"invalid request: {loc}: {first.get('msg', 'invalid value')}", 422,
+        loc = ".".join(str(x) for x in first.get("loc", ()) if not _is_union_tag(x))
+        raise RequestError(f"invalid request: {loc}: {first.get('msg', 'invalid value')}", 400,
                            param=loc or None) from None
     except RecursionError:
         raise RequestError("request body is nested too deeply", 400) from None
+
+
+# pydantic names the union member an error came from inside `loc` ("tokens.list[int].0"); the
+# client's field path is what the error should name ("tokens.0").
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "tuple"}
+
+
+def _is_union_tag(x: Any) -> bool:
+    return isinstance(x, str) and ("[" in x or x in _TYPE_TAGS)
 
 
 async def read_json(raw: Request) -> Any:

@@ -19,6 +19,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     stream: bool = False
     input_text: str | None = None
+    return_hidden_states: bool = False
 
 
 @dataclass
@@ -54,6 +55,8 @@ class SchedulerStats:
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_leak: str | None = None  # the idle-time invariant check (None = fine or busy)
+    num_used_tokens: int = 0  # KV tokens held by requests (upstream's #token)
+    gen_throughput: float = 0.0  # decode tokens/s over the last --decode-log-interval steps
 
 
 @dataclass
@@ -70,6 +73,9 @@ class ReqOutput:
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     input_token_logprobs: list[float] | None = None  # sent once, with the first output
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    # return_hidden_states: entries to append to meta_info["hidden_states"] (upstream's shape: the
+    # prompt's rows as one [prompt_len][H] entry, then one [H] row per later token fed to the model)
+    hidden_states: list | None = None
     # Decoding settings the detokenizer needs (sent with every delta; small).
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

@@ -29,13 +29,18 @@ class RequestState:
         self.output_ids: list[int] = []
         self.created = time.monotonic()
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None  # when the latest output tokens arrived
+        self.prev_token_time: float | None = None  # when the ones before them arrived
         self.finished = False
         self.meta: dict[str, Any] = {"id": rid, "finish_reason": None, "prompt_tokens": len(input_ids),
                                      "completion_tokens": 0, "cached_tokens": 0}
 
     def apply(self, out: ReqOutput, text_delta: str) -> None:
-        if out.new_token_ids and self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+        if out.new_token_ids:
+            now = time.monotonic()
+            if self.first_token_time is None:
+                self.first_token_time = now
+            self.prev_token_time, self.last_token_time = self.last_token_time, now
         self.output_ids += out.new_token_ids
         self.text += text_delta
         self.meta.update(prompt_tokens=out.prompt_tokens or self.meta["prompt_tokens"],
@@ -47,6 +52,8 @@ class RequestState:
                 self.meta.setdefault("output_top_logprobs", []).extend(_top_tuples(out.output_top_logprobs))
         if out.input_token_logprobs is not None:
             self._set_input_logprobs(out)
+        if out.hidden_states:
+            self.meta.setdefault("hidden_states", []).extend(out.hidden_states)
         if out.finished_reason is not None:
             self.meta["finish_reason"] = out.finished_reason
             self.meta["e2e_latency"] = time.monotonic() - self.created

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 
@@ -58,7 +58,7 @@ class FINISH_ABORT(BaseFinishReason):
 class Req:
     def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
                  return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 stream: bool = False) -> None:
+                 stream: bool = False, return_hidden_states: bool = False) -> None:
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
@@ -83,6 +83,12 @@ class Req:
         self.input_logprobs_sent = False
         self.pending_logprobs: list[float] = []
         self.pending_top_logprobs: list = []
+        # return_hidden_states: positions whose hidden state was already returned, and the prompt
+        # rows gathered over prefill chunks until the prompt is complete (sent as one block).
+        self.return_hidden_states = return_hidden_states
+        self.hidden_emitted = 0
+        self.hidden_prompt_rows: list[list[float]] = []
+        self.pending_hidden: list = []
         self.created_time = time.monotonic()
         self.first_token_time: float | None = None
         self.admitted = False
@@ -114,6 +120,8 @@ class Req:
         """Longest cache hit allowed: one token must be computed to get logits; input logprobs
         must be computed from their start position on."""
         n = len(self.fill_ids()) - 1
+        if self.return_hidden_states:
+            return 0  # every prompt position's hidden state is computed, not read from the cache
         if self.return_logprob and self.logprob_start_len >= 0:
             # The logprob of token p comes from the logits at p - 1, which must be computed.
             n = min(n, max(self.logprob_start_len - 1, 0))
@@ -190,4 +198,6 @@ class ScheduleBatch:
             logprob_start_lens_cpu=start_lens,
             top_logprobs_nums=[r.top_logprobs_num for r in self.reqs],
             sampling_info=sampling_info,
+            capture_hidden_mode=(CaptureHiddenMode.FULL if any(r.return_hidden_states for r in self.reqs)
+                                 else CaptureHiddenMode.NULL),
         )

@@ -26,6 +26,7 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.request_limits import request_length_error
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting_queue
+from sglang.srt.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from sglang.srt.managers.scheduler_output_processor import GenerationBatchResult, SchedulerOutputProcessorMixin
 from sglang.srt.mem_cache.base_prefix_cache import ChunkCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -41,7 +42,7 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class Scheduler(SchedulerOutputProcessorMixin):
+class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None, tokenizer=None,
                  tp_group: GroupCoordinator = SINGLE_GROUP) -> None:
         self.server_args = server_args
@@ -71,6 +72,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.forward_ct = 0
+        self.init_metrics()
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, recv: TokenizedGenerateReqInput) -> list[ReqOutput]:
@@ -78,7 +80,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if sp.max_new_tokens is None:  # upstream: bounded only by the context length
             sp.max_new_tokens = max(self.context_len - len(recv.input_ids), 0)
         req = Req(recv.rid, recv.input_ids, sp, recv.return_logprob, recv.logprob_start_len,
-                  recv.top_logprobs_num, recv.stream)
+                  recv.top_logprobs_num, recv.stream, recv.return_hidden_states)
         error = request_length_error(len(req.origin_input_ids), sp.max_new_tokens, self.context_len,
                                      self.max_total_num_tokens, self.page_size)
         if error is not None:
@@ -113,6 +115,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if batch is None:
             return outputs
         result = self.run_batch(batch)
+        self.observe_batch(batch)  # stats logs / metrics: host counters only
         outputs += self.process_batch_result(batch, result)
         return outputs
 
@@ -326,4 +329,6 @@ class Scheduler(SchedulerOutputProcessorMixin):
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
             kv_leak=self.kv_leak_report(),
+            num_used_tokens=self.get_token_info()[0],
+            gen_throughput=self.last_gen_throughput,
         )

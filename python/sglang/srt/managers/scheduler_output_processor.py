@@ -16,6 +16,7 @@ import torch
 
 from sglang.srt.managers.io_struct import ReqOutput
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 
 @dataclass
@@ -26,12 +27,21 @@ class GenerationBatchResult:
     # Input (prompt) logprobs of extend rows, per request: [logprob], [[(val, id)]]
     input_token_logprobs: list[list[float]] = field(default_factory=list)
     input_top_logprobs: list[list[list[tuple[float, int]]]] = field(default_factory=list)
+    # return_hidden_states, per request: (first position, rows) or None (not asked / nothing new)
+    hidden_rows: list[tuple[int, list[list[float]]] | None] | None = None
 
     @classmethod
     def from_device(cls, batch: ScheduleBatch, fb, logits_output, sample) -> "GenerationBatchResult":
-        """Copy what the host needs (ids; logprobs only when a request asked) in a few bulk copies."""
+        """Copy what the host needs (ids; logprobs and hidden states only when a request asked) in a
+        few bulk copies; the hidden-state copy is queued before the ids' read, which waits for both."""
+        hidden = None
+        if fb.capture_hidden_mode == CaptureHiddenMode.FULL and logits_output.hidden_states is not None:
+            hidden = _start_hidden_copy(batch, logits_output.hidden_states)
         ids = sample.next_token_ids.tolist()
         res = cls(next_token_ids=[[i] for i in ids])
+        if hidden is not None:
+            host, spans = hidden
+            res.hidden_rows = [None if s is None else (s[0], host[s[1]:s[2]].tolist()) for s in spans]
         if sample.next_token_logprobs is not None:
             res.next_token_logprobs = [[v] for v in sample.next_token_logprobs.tolist()]
             if sample.top_logprobs is not None:
@@ -77,6 +87,23 @@ class GenerationBatchResult:
             off += c
 
 
+def _start_hidden_copy(batch: ScheduleBatch, hidden_states: torch.Tensor):
+    """Gather the rows of requests that asked for hidden states and were not returned before (a
+    retracted request recomputes positions it already returned) and start their copy to the host.
+    Returns (host tensor, per request (first position, start row, end row) or None)."""
+    idx, spans, off = [], [], 0
+    for req, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+        skip = min(max(req.hidden_emitted - p, 0), e)
+        if req.return_hidden_states and skip < e:
+            spans.append((p + skip, len(idx), len(idx) + e - skip))
+            idx.extend(range(off + skip, off + e))
+        else:
+            spans.append(None)
+        off += e
+    rows = hidden_states[torch.tensor(idx, dtype=torch.int64).to(hidden_states.device, non_blocking=True)]
+    return rows.float().to("cpu", non_blocking=True), spans
+
+
 class SchedulerOutputProcessorMixin:
     """Result processing of `Scheduler` (kept apart so the scheduler module stays small)."""
 
@@ -86,6 +113,8 @@ class SchedulerOutputProcessorMixin:
         wants_input = bool(result.input_token_logprobs)
         for i, req in enumerate(batch.reqs):
             req.kv_committed_len = batch.prefix_lens[i] + batch.extend_lens[i]
+            if result.hidden_rows is not None and result.hidden_rows[i] is not None:
+                _take_hidden_rows(req, *result.hidden_rows[i])
             if wants_input and req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
                 if req.input_token_logprobs is None:
                     req.input_token_logprobs, req.input_top_logprobs = [], []
@@ -142,6 +171,8 @@ class SchedulerOutputProcessorMixin:
             no_stop_trim=sp.no_stop_trim,
             stop_strs=sp.stop_strs or None,
         )
+        if req.return_hidden_states and req.pending_hidden:
+            out.hidden_states, req.pending_hidden = req.pending_hidden, []
         if req.return_logprob:
             out.output_token_logprobs, req.pending_logprobs = req.pending_logprobs, []
             out.output_top_logprobs, req.pending_top_logprobs = req.pending_top_logprobs, []
@@ -150,3 +181,16 @@ class SchedulerOutputProcessorMixin:
                 out.input_top_logprobs = req.input_top_logprobs
                 req.input_logprobs_sent = True
         return out
+
+
+def _take_hidden_rows(req: Req, first_pos: int, rows: list[list[float]]) -> None:
+    """Queue hidden-state rows for the request's next output in upstream's shape: the prompt's
+    rows as one block once the whole prompt is computed (chunks gather first), then one row per
+    later position (each generated token fed back)."""
+    n_prompt = len(req.origin_input_ids)
+    for k, row in enumerate(rows):
+        (req.hidden_prompt_rows if first_pos + k < n_prompt else req.pending_hidden).append(row)
+    req.hidden_emitted = first_pos + len(rows)
+    if req.hidden_prompt_rows and req.hidden_emitted >= n_prompt:
+        req.pending_hidden.insert(0, req.hidden_prompt_rows)
+        req.hidden_prompt_rows = []

@@ -64,6 +64,7 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     stream: bool = False
     rid: str | None = None
+    return_hidden_states: bool = False
 
 
 class _LiveState(RequestState):
@@ -219,7 +220,8 @@ class TokenizerManager:
             logger.info("request %s: %d prompt tokens, sampling %s, logprob=%s stream=%s", rid, len(ids),
                         sp.to_dict(), req.return_logprob, req.stream)
         await self.send_to_scheduler.send_pyobj(TokenizedGenerateReqInput(
-            iid, ids, sp, req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.stream, req.text))
+            iid, ids, sp, req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.stream, req.text,
+            req.return_hidden_states))
         try:
             while True:
                 await state.event.wait()

@@ -138,7 +138,9 @@ class ModelRunner:
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.token_to_kv_pool
         forward_batch.attn_backend = self.attn_backend
-        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+        self.last_forward_used_graph = (self.cuda_graph_runner is not None
+                                        and self.cuda_graph_runner.can_run(forward_batch))
+        if self.last_forward_used_graph:
             return self.cuda_graph_runner.replay(forward_batch)
         if self.cp_group is not None:
             from sglang.srt.layers.attention.nsa.cp_backend import build_cp_forward_batch

@@ -35,14 +35,14 @@ def test_valid_bodies_parse_including_surrogate_pairs():
     assert parse_json_body(b"") == {} and parse_json_body(b'  "\\\\ud800"') == "\\ud800"  # an escaped backslash
 
 
-def test_model_errors_are_422_naming_the_field():
+def test_model_errors_are_400_naming_the_field():
     class M(BaseModel):
         n: int
         xs: list[float] = []
 
     with pytest.raises(RequestError) as e:
         validate_model(M, {"n": 1, "xs": [1.0, "x"]})
-    assert e.value.status_code == 422 and e.value.param == "xs.1"
+    assert e.value.status_code == 400 and e.value.param == "xs.1"
     assert validate_model(M, {"n": 2}).n == 2
 
 

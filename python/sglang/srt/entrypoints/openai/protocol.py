@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from sglang.srt.managers.tokenizer_manager import RequestError
 
@@ -210,6 +210,12 @@ class ChatCompletionRequest(SamplingExtras):
             self.tool_choice = "auto" if self.tools else "none"
         return self
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template sees (none with tool_choice none, as upstream)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
     def template_kwargs(self) -> dict[str, Any]:
         """chat_template_kwargs with reasoning_effort "none" switching thinking off (both spellings:
         deepseek-v3 reads `thinking`, GLM / Qwen read `enable_thinking`), as upstream does."""
@@ -262,3 +268,51 @@ def finish_reason_of(meta: dict) -> str | None:
 def matched_stop_of(meta: dict) -> int | str | None:
     """The stop token id or string that ended the output; None when it ended for another reason."""
     return (meta.get("finish_reason") or {}).get("matched")
+
+
+# -- tokenize / detokenize / model cards (upstream's /v1/tokenize, /v1/detokenize, /v1/models/{id}) --
+class TokenizeRequest(_Request):
+    """Exactly one of `prompt` (a string or a list of strings) and `messages` (rendered with the
+    chat template, as /v1/chat/completions would)."""
+
+    model: str = "default"
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    # with messages, as on /v1/chat/completions
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "required", "none"] | ToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    reasoning_effort: str | None = None
+
+    def chat_request(self) -> ChatCompletionRequest:
+        return ChatCompletionRequest(messages=self.messages or [], tools=self.tools, tool_choice=self.tool_choice,
+                                     chat_template_kwargs=self.chat_template_kwargs,
+                                     continue_final_message=self.continue_final_message,
+                                     reasoning_effort=self.reasoning_effort)
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int] | list[list[int]]
+    count: int | list[int]
+    max_model_len: int
+
+
+class DetokenizeRequest(_Request):
+    model: str = "default"
+    tokens: list[StrictInt] | list[list[StrictInt]]  # "1" / true / 1.0 are not token ids
+    skip_special_tokens: bool = True
+
+
+class DetokenizeResponse(BaseModel):
+    text: str | list[str]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "sglang"
+    root: str | None = None
+    max_model_len: int | None = None

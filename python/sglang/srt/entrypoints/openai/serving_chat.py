@@ -54,8 +54,7 @@ class ChatHandler(OpenAIServingBase):
             sp["json_schema"] = json.dumps(schema)
         arch = self.tm.scheduler_info.get("architecture")
         prompt = await self.tm.run_in_pool(render_prompt, self.tm.tokenizer, arch, req.messages,
-                                           tools if req.tool_choice != "none" else None, req.template_kwargs(),
-                                           req.continue_final_message)
+                                           req.template_tools(), req.template_kwargs(), req.continue_final_message)
         base = GenerateRequest(text=prompt, sampling_params=sp, return_logprob=req.logprobs,
                                top_logprobs_num=req.top_logprobs or 0, stream=req.stream,
                                custom_logit_processor=req.custom_logit_processor,

@@ -19,6 +19,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     stream: bool = False
     input_text: str | None = None
+    custom_logit_processor: str | None = None  # CustomLogitProcessor.to_str(); needs the server flag
 
 
 @dataclass

@@ -12,6 +12,7 @@ The same class runs in-process (the offline Engine) and inside the scheduler pro
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -23,6 +24,8 @@ from sglang.srt.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
+from sglang.srt.constrained import STRUCTURED_OUTPUTS_DISABLED
+from sglang.srt.constrained.base_grammar_backend import InvalidGrammar, create_grammar_backend, grammar_key
 from sglang.srt.managers.request_limits import request_length_error
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting_queue
@@ -31,6 +34,7 @@ from sglang.srt.mem_cache.base_prefix_cache import ChunkCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.sampling.custom_logit_processor import CUSTOM_LOGIT_PROCESSOR_DISABLED
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs
 
@@ -39,6 +43,8 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+GRAMMAR_TIMEOUT_S = 300.0  # upstream's SGLANG_GRAMMAR_TIMEOUT default: a compile that long aborts
+GRAMMAR_POLL_S = 0.02  # how long an otherwise idle step waits for a compiling grammar
 
 
 class Scheduler(SchedulerOutputProcessorMixin):
@@ -63,7 +69,16 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.vocab_size = self.model_config.vocab_size
+        # Structured outputs: None with --grammar-backend none, or without a tokenizer (tests).
+        self.grammar_backend = None
+        if tokenizer is not None:
+            self.grammar_backend = create_grammar_backend(server_args, tokenizer, self.vocab_size,
+                                                          sorted(self.eos_token_ids))
+        self.world_group = mr.world_group
 
+        # Requests whose grammar is still compiling wait here, in arrival order, off the
+        # waiting queue, so they delay nobody (upstream's grammar_queue).
+        self.grammar_queue: list[Req] = []
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -78,16 +93,82 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if sp.max_new_tokens is None:  # upstream: bounded only by the context length
             sp.max_new_tokens = max(self.context_len - len(recv.input_ids), 0)
         req = Req(recv.rid, recv.input_ids, sp, recv.return_logprob, recv.logprob_start_len,
-                  recv.top_logprobs_num, recv.stream)
+                  recv.top_logprobs_num, recv.stream, recv.custom_logit_processor)
+        req.eos_token_ids = frozenset(self.eos_token_ids)
         error = request_length_error(len(req.origin_input_ids), sp.max_new_tokens, self.context_len,
                                      self.max_total_num_tokens, self.page_size)
         if error is not None:
             req.finished_reason = FINISH_ABORT(error.message, 400)
             return [self._make_output(req, [])]
+        if req.custom_logit_processor and not self.server_args.enable_custom_logit_processor:
+            req.finished_reason = FINISH_ABORT(CUSTOM_LOGIT_PROCESSOR_DISABLED, 400)
+            return [self._make_output(req, [])]
+        key = grammar_key(sp)
+        if key is not None:
+            if self.grammar_backend is None:
+                req.finished_reason = FINISH_ABORT(STRUCTURED_OUTPUTS_DISABLED, 400)
+                return [self._make_output(req, [])]
+            req.grammar_key = key
+            value, cache_hit = self.grammar_backend.get_cached_or_future_value(key)
+            if not cache_hit:
+                req.grammar = value
+                req.grammar_wait_start = time.monotonic()
+                self.grammar_queue.append(req)
+                return []
+            if isinstance(value, InvalidGrammar):
+                req.finished_reason = FINISH_ABORT(value.error_message(), 400)
+                return [self._make_output(req, [])]
+            req.grammar = value
         self.waiting_queue.append(req)
         return []
 
+    def move_ready_grammar_requests(self) -> list[ReqOutput]:
+        """Move requests whose grammar compiled from the grammar queue to the waiting queue (or
+        finish them with a 400 when it did not compile). Never blocks on rank 0; the other ranks
+        follow rank 0's choice (waiting for the same compile), so every rank admits the same."""
+        if not self.grammar_queue:
+            return []
+        now = time.monotonic()
+        ready = [i for i, r in enumerate(self.grammar_queue)
+                 if r.grammar.done() or now - r.grammar_wait_start > GRAMMAR_TIMEOUT_S]
+        if not self.world_group.is_single:
+            ready = self.world_group.broadcast_object(ready)
+        if not ready:
+            return []
+        outs = []
+        for i in ready:
+            req = self.grammar_queue[i]
+            if req.grammar.done() or not self.world_group.is_single:
+                value = req.grammar.result(GRAMMAR_TIMEOUT_S)
+            else:
+                req.grammar.cancel()
+                value = InvalidGrammar(req.grammar_key[0], f"did not compile within {GRAMMAR_TIMEOUT_S:.0f}s")
+            if isinstance(value, InvalidGrammar):
+                req.grammar = None
+                req.finished_reason = FINISH_ABORT(value.error_message(), 400)
+                outs.append(self._make_output(req, []))
+            else:
+                req.grammar = value
+                self.waiting_queue.append(req)
+        taken = set(ready)
+        self.grammar_queue = [r for i, r in enumerate(self.grammar_queue) if i not in taken]
+        return outs
+
+    def _wait_for_grammar(self) -> None:
+        """Nothing to run but compiling grammars: wait a little for the oldest (no busy loop)."""
+        try:
+            self.grammar_queue[0].grammar.exception(timeout=GRAMMAR_POLL_S)
+        except Exception:  # TimeoutError / CancelledError: poll again next step
+            pass
+
     def abort_request(self, rid: str) -> list[ReqOutput]:
+        for i, req in enumerate(self.grammar_queue):
+            if req.rid == rid:
+                del self.grammar_queue[i]
+                req.grammar.cancel()  # the compile itself still fills the cache for others
+                req.grammar = None
+                req.finished_reason = FINISH_ABORT("aborted by client")
+                return [self._make_output(req, [])]
         for i, req in enumerate(self.waiting_queue):
             if req.rid == rid:
                 del self.waiting_queue[i]
@@ -104,13 +185,16 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self.tree_cache.cache_finished_req(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running or self.chunked_req)
+        return bool(self.waiting_queue or self.running or self.chunked_req or self.grammar_queue)
 
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
         outputs = self._drain_aborts()
+        outputs += self.move_ready_grammar_requests()
         batch = self.get_next_batch_to_run()
         if batch is None:
+            if self.grammar_queue and not (self.waiting_queue or self.running or self.chunked_req):
+                self._wait_for_grammar()
             return outputs
         result = self.run_batch(batch)
         outputs += self.process_batch_result(batch, result)
@@ -280,10 +364,19 @@ class Scheduler(SchedulerOutputProcessorMixin):
 
     # -- run + results ----------------------------------------------------------------------------------
     def _sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
+        grammars = procs = params = None
+        if any(r.grammar is not None for r in reqs):
+            grammars = [r.grammar for r in reqs]
+        if any(r.custom_logit_processor for r in reqs):
+            procs = [r.custom_logit_processor for r in reqs]
+            # Upstream passes the request itself as "__req__" (output_ids so far, prompt, ...).
+            params = [{**(r.sampling_params.custom_params or {}), "__req__": r} if r.custom_logit_processor
+                      else None for r in reqs]
         return SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs], self.vocab_size, self.device,
             output_ids=[r.output_ids for r in reqs], seeds_step=[len(r.output_ids) for r in reqs],
-            eos_token_ids=self.eos_token_ids)
+            eos_token_ids=self.eos_token_ids, grammars=grammars, custom_logit_processors=procs,
+            custom_params=params)
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         fb = batch.build_forward_batch(batch.input_ids, batch.out_cache_loc, self.device,
@@ -317,7 +410,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running) + (1 if self.chunked_req else 0),
-            num_waiting_reqs=len(self.waiting_queue),
+            num_waiting_reqs=len(self.waiting_queue) + len(self.grammar_queue),
             kv_total_tokens=self.max_total_num_tokens,
             kv_free_tokens=self.allocator.available_size(),
             kv_cached_tokens=self.tree_cache.total_size(),

@@ -14,9 +14,6 @@ import xgrammar
 
 from sglang.srt.constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
 
-MAX_ROLLBACK_TOKENS = 200  # upstream's value; nothing here rolls back yet (no jump-forward / spec)
-
-
 class XGrammarGrammar(BaseGrammarObject):
     def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int, ctx: xgrammar.CompiledGrammar) -> None:
         super().__init__()
@@ -47,7 +44,7 @@ class XGrammarGrammar(BaseGrammarObject):
         return bool(self.matcher.is_terminated())
 
     def copy(self) -> "XGrammarGrammar":
-        matcher = xgrammar.GrammarMatcher(self.ctx, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        matcher = xgrammar.GrammarMatcher(self.ctx)
         return XGrammarGrammar(matcher, self.vocab_size, self.ctx)
 
 
@@ -69,7 +66,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         return list(self.tokenizer_info.stop_token_ids)
 
     def _from_context(self, ctx: xgrammar.CompiledGrammar) -> XGrammarGrammar:
-        return XGrammarGrammar(xgrammar.GrammarMatcher(ctx, max_rollback_tokens=MAX_ROLLBACK_TOKENS),
+        return XGrammarGrammar(xgrammar.GrammarMatcher(ctx),
                                self.vocab_size, ctx)
 
     def dispatch_json(self, key_string: str) -> XGrammarGrammar:

@@ -292,3 +292,37 @@ def test_disabled_features_are_400s(server_none):
     assert r.status_code == 400 and "--enable-custom-logit-processor" in r.json()["error"]["message"], r.text
     res = generate(server_none, {"text": "plain", "sampling_params": {"max_new_tokens": 3}})
     assert res["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def server_tp2():
+    with ServerProcess(MODEL, "--tp-size", "2", "--max-total-tokens", "2048", "--enable-custom-logit-processor",
+                       "--constrained-json-disable-any-whitespace", timeout=TIMEOUT) as s:
+        yield s
+
+
+def test_tp2_ranks_agree_on_grammar_admission(server_tp2):
+    # Rank 0 decides which compiled grammars are admitted and broadcasts it: with concurrent
+    # first-sight grammars the ranks must still run the same batches (a mismatch hangs or fails).
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            sp = {"max_new_tokens": 64, "temperature": 1.0, "sampling_seed": i}
+            kind = ("regex", "json", "ebnf")[i % 3]
+            sp.update({"regex": {"regex": REGEX}, "json": {"json_schema": SCHEMA}, "ebnf": {"ebnf": EBNF}}[kind])
+            results[i] = (kind, generate(server_tp2, {"text": f"tp {i}", "sampling_params": sp}))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not errors, errors
+    for kind, res in results.values():
+        check_constrained(res, kind, REGEX)
+    script = [11, 12, 13, 14]
+    assert generate(server_tp2, {"text": "tp", **scripted_request(script)})["output_ids"] == script + [EOS_TOKEN_ID]
+    assert server_tp2.wait_idle(timeout=120)["kv_leak"] is None

@@ -10,8 +10,8 @@ Rules:
   to -inf. `SamplingBatchInfo` owns the mask.
 - After sampling, each constrained request `accept_token`s its token; `is_terminated()` (the
   grammar accepted a stop token) finishes the request.
-- `BaseGrammarBackend` compiles in a thread pool and caches by (kind, text), where kind is one of
-  "json", "regex", "ebnf", "structural_tag". A text that fails to compile is cached as an
+- `BaseGrammarBackend` compiles in a thread pool and caches by (kind, text) (LRU, bounded), where
+  kind is one of "json", "regex", "ebnf", "structural_tag". A text that fails to compile is cached as an
   `InvalidGrammar` carrying the error, so a bad schema sent twice is not compiled twice.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -97,9 +98,11 @@ class BaseGrammarBackend:
     a fresh grammar object or an `InvalidGrammar`. Concurrent misses on one key share one compile.
     """
 
-    def __init__(self, max_workers: int = 2) -> None:
+    def __init__(self, max_workers: int = 2, max_cache_entries: int = 1024) -> None:
         self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
-        self.cache: dict[tuple[str, str], Any] = {}
+        # Least recently used first; a request holds its own matcher, so eviction is always safe.
+        self.cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.max_cache_entries = max_cache_entries
         self._pending: dict[tuple[str, str], Future] = {}
         self._lock = threading.Lock()
         self.num_compiles = 0  # compilations started (tests check the cache with it)
@@ -136,6 +139,7 @@ class BaseGrammarBackend:
         with self._lock:
             value = self.cache.get(key)
             if value is not None:
+                self.cache.move_to_end(key)
                 return value.copy(), True
             fut = self._pending.get(key)
             if fut is None:
@@ -150,6 +154,8 @@ class BaseGrammarBackend:
         value = self._init_value_dispatch(key)
         with self._lock:
             self.cache[key] = value
+            while len(self.cache) > self.max_cache_entries:
+                self.cache.popitem(last=False)
             self._pending.pop(key, None)
         return value
 
@@ -193,7 +199,11 @@ def create_grammar_backend(server_args, tokenizer, vocab_size: int,
     if name == "none":
         return None
     if name == "xgrammar":
-        from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
+        try:
+            from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
+        except ImportError as e:
+            raise RuntimeError(f"--grammar-backend xgrammar needs the xgrammar package ({e}); install it "
+                               "(pip install xgrammar) or start with --grammar-backend none") from None
 
         return XGrammarGrammarBackend(
             tokenizer, vocab_size=vocab_size, eos_token_ids=eos_token_ids,

@@ -242,3 +242,17 @@ def test_sampling_params_grammar_fields():
         SamplingParams.from_dict({"json_schemas": "{}"})
     q = SamplingParams.from_dict({"regex": "a+", "custom_params": {"k": 1}})
     assert SamplingParams.from_dict(q.to_dict()) == q
+
+
+def test_cache_is_bounded_lru(tokenizer, vocab):
+    b = XGrammarGrammarBackend(tokenizer, vocab, eos_token_ids=[EOS])
+    b.max_cache_entries = 2
+    try:
+        for pattern in ("a", "b"):
+            assert b.validate(("regex", pattern)) is None
+        b.get_cached_or_future_value(("regex", "a"))  # "a" is now the most recently used
+        assert b.validate(("regex", "c")) is None
+        assert list(b.cache) == [("regex", "a"), ("regex", "c")]
+        assert b.num_compiles == 3
+    finally:
+        b.shutdown()

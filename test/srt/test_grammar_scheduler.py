@@ -27,7 +27,7 @@ def scheduler():
     tok = load_tokenizer(sa.tokenizer_path, sa.trust_remote_code)
     sched = Scheduler(sa, tokenizer=tok)
     yield sched
-    sched.grammar_backend.shutdown()
+    sched.grammar_manager.grammar_backend.shutdown()
 
 
 class _Gate:
@@ -70,23 +70,23 @@ def run_until(sched, pred, outs, max_steps=500):
 
 def test_compiling_grammar_delays_nobody_and_abort_releases_it(scheduler):
     s, outs = scheduler, {}
-    with _Gate(s.grammar_backend) as gate:
+    with _Gate(s.grammar_manager.grammar_backend) as gate:
         assert submit(s, "g1", regex=r"\d{2}-(yes|no)", max_new=16) == []
-        assert [r.rid for r in s.grammar_queue] == ["g1"] and s.has_work()
+        assert [r.rid for r in s.grammar_manager.grammar_queue] == ["g1"] and s.has_work()
         assert s.get_stats().num_waiting_reqs == 1
         submit(s, "plain", max_new=6, ignore_eos=True)
         run_until(s, lambda: outs.get("plain", {}).get("finish") is not None, outs)
-        assert len(outs["plain"]["ids"]) == 6 and [r.rid for r in s.grammar_queue] == ["g1"]
+        assert len(outs["plain"]["ids"]) == 6 and [r.rid for r in s.grammar_manager.grammar_queue] == ["g1"]
         assert s.abort_request("g1")[0].finished_reason["type"] == "abort"
-        assert not s.grammar_queue and not s.has_work()
+        assert not s.grammar_manager.grammar_queue and not s.has_work()
         submit(s, "g2", regex=r"\d{2}-(yes|no)", max_new=16)
-        assert [r.rid for r in s.grammar_queue] == ["g2"]
+        assert [r.rid for r in s.grammar_manager.grammar_queue] == ["g2"]
         gate.event.set()
         run_until(s, lambda: outs.get("g2", {}).get("finish") is not None, outs)
     tok = s.tokenizer
     text = tok.decode(outs["g2"]["ids"], skip_special_tokens=True)
     assert re.fullmatch(r"\d{2}-(yes|no)", text), text
-    assert outs["g2"]["finish"] == {"type": "stop", "matched": s.grammar_backend.stop_token_ids[0]}
+    assert outs["g2"]["finish"] == {"type": "stop", "matched": s.grammar_manager.grammar_backend.stop_token_ids[0]}
     assert s.kv_leak_report() is None
 
 
@@ -103,7 +103,7 @@ def test_invalid_grammar_in_the_scheduler_is_a_400_abort(scheduler):
 
 def test_grammar_backend_none_refuses(scheduler):
     s = scheduler
-    backend, s.grammar_backend = s.grammar_backend, None
+    backend, s.grammar_manager.grammar_backend = s.grammar_manager.grammar_backend, None
     try:
         out = submit(s, "nog", regex="a")
         assert out and "structured outputs are disabled" in out[0].finished_reason["message"]
@@ -111,5 +111,5 @@ def test_grammar_backend_none_refuses(scheduler):
                                                       custom_logit_processor="{}"))
         assert out and "--enable-custom-logit-processor" in out[0].finished_reason["message"]
     finally:
-        s.grammar_backend = backend
+        s.grammar_manager.grammar_backend = backend
     assert not s.has_work()

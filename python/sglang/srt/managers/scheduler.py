@@ -12,7 +12,6 @@ The same class runs in-process (the offline Engine) and inside the scheduler pro
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -24,8 +23,8 @@ from sglang.srt.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
-from sglang.srt.constrained import STRUCTURED_OUTPUTS_DISABLED
-from sglang.srt.constrained.base_grammar_backend import InvalidGrammar, create_grammar_backend, grammar_key
+from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
+from sglang.srt.constrained.grammar_manager import GrammarManager
 from sglang.srt.managers.request_limits import request_length_error
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting_queue
@@ -43,8 +42,6 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
-GRAMMAR_TIMEOUT_S = 300.0  # upstream's SGLANG_GRAMMAR_TIMEOUT default: a compile that long aborts
-GRAMMAR_POLL_S = 0.02  # how long an otherwise idle step waits for a compiling grammar
 
 
 class Scheduler(SchedulerOutputProcessorMixin):
@@ -69,16 +66,11 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.vocab_size = self.model_config.vocab_size
-        # Structured outputs: None with --grammar-backend none, or without a tokenizer (tests).
-        self.grammar_backend = None
+        # Structured outputs: no backend with --grammar-backend none, or without a tokenizer (tests).
+        backend = None
         if tokenizer is not None:
-            self.grammar_backend = create_grammar_backend(server_args, tokenizer, self.vocab_size,
-                                                          sorted(self.eos_token_ids))
-        self.world_group = mr.world_group
-
-        # Requests whose grammar is still compiling wait here, in arrival order, off the
-        # waiting queue, so they delay nobody (upstream's grammar_queue).
-        self.grammar_queue: list[Req] = []
+            backend = create_grammar_backend(server_args, tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self.grammar_manager = GrammarManager(backend, mr.world_group)
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -103,72 +95,27 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if req.custom_logit_processor and not self.server_args.enable_custom_logit_processor:
             req.finished_reason = FINISH_ABORT(CUSTOM_LOGIT_PROCESSOR_DISABLED, 400)
             return [self._make_output(req, [])]
-        key = grammar_key(sp)
-        if key is not None:
-            if self.grammar_backend is None:
-                req.finished_reason = FINISH_ABORT(STRUCTURED_OUTPUTS_DISABLED, 400)
-                return [self._make_output(req, [])]
-            req.grammar_key = key
-            value, cache_hit = self.grammar_backend.get_cached_or_future_value(key)
-            if not cache_hit:
-                req.grammar = value
-                req.grammar_wait_start = time.monotonic()
-                self.grammar_queue.append(req)
-                return []
-            if isinstance(value, InvalidGrammar):
-                req.finished_reason = FINISH_ABORT(value.error_message(), 400)
-                return [self._make_output(req, [])]
-            req.grammar = value
+        if self.grammar_manager.process_req_with_grammar(req):
+            return []  # compiling: it waits in the grammar queue
+        if req.finished():
+            return [self._make_output(req, [])]
         self.waiting_queue.append(req)
         return []
 
     def move_ready_grammar_requests(self) -> list[ReqOutput]:
-        """Move requests whose grammar compiled from the grammar queue to the waiting queue (or
-        finish them with a 400 when it did not compile). Never blocks on rank 0; the other ranks
-        follow rank 0's choice (waiting for the same compile), so every rank admits the same."""
-        if not self.grammar_queue:
-            return []
-        now = time.monotonic()
-        ready = [i for i, r in enumerate(self.grammar_queue)
-                 if r.grammar.done() or now - r.grammar_wait_start > GRAMMAR_TIMEOUT_S]
-        if not self.world_group.is_single:
-            ready = self.world_group.broadcast_object(ready)
-        if not ready:
-            return []
         outs = []
-        for i in ready:
-            req = self.grammar_queue[i]
-            if req.grammar.done() or not self.world_group.is_single:
-                value = req.grammar.result(GRAMMAR_TIMEOUT_S)
-            else:
-                req.grammar.cancel()
-                value = InvalidGrammar(req.grammar_key[0], f"did not compile within {GRAMMAR_TIMEOUT_S:.0f}s")
-            if isinstance(value, InvalidGrammar):
-                req.grammar = None
-                req.finished_reason = FINISH_ABORT(value.error_message(), 400)
+        for req in self.grammar_manager.get_ready_grammar_requests():
+            if req.finished():
                 outs.append(self._make_output(req, []))
             else:
-                req.grammar = value
                 self.waiting_queue.append(req)
-        taken = set(ready)
-        self.grammar_queue = [r for i, r in enumerate(self.grammar_queue) if i not in taken]
         return outs
 
-    def _wait_for_grammar(self) -> None:
-        """Nothing to run but compiling grammars: wait a little for the oldest (no busy loop)."""
-        try:
-            self.grammar_queue[0].grammar.exception(timeout=GRAMMAR_POLL_S)
-        except Exception:  # TimeoutError / CancelledError: poll again next step
-            pass
-
     def abort_request(self, rid: str) -> list[ReqOutput]:
-        for i, req in enumerate(self.grammar_queue):
-            if req.rid == rid:
-                del self.grammar_queue[i]
-                req.grammar.cancel()  # the compile itself still fills the cache for others
-                req.grammar = None
-                req.finished_reason = FINISH_ABORT("aborted by client")
-                return [self._make_output(req, [])]
+        req = self.grammar_manager.abort_request(rid)
+        if req is not None:
+            req.finished_reason = FINISH_ABORT("aborted by client")
+            return [self._make_output(req, [])]
         for i, req in enumerate(self.waiting_queue):
             if req.rid == rid:
                 del self.waiting_queue[i]
@@ -185,7 +132,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             self.tree_cache.cache_finished_req(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running or self.chunked_req or self.grammar_queue)
+        return bool(self.waiting_queue or self.running or self.chunked_req or self.grammar_manager.grammar_queue)
 
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
@@ -193,8 +140,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         outputs += self.move_ready_grammar_requests()
         batch = self.get_next_batch_to_run()
         if batch is None:
-            if self.grammar_queue and not (self.waiting_queue or self.running or self.chunked_req):
-                self._wait_for_grammar()
+            if not (self.waiting_queue or self.running or self.chunked_req):
+                self.grammar_manager.wait()
             return outputs
         result = self.run_batch(batch)
         outputs += self.process_batch_result(batch, result)
@@ -410,7 +357,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running) + (1 if self.chunked_req else 0),
-            num_waiting_reqs=len(self.waiting_queue) + len(self.grammar_queue),
+            num_waiting_reqs=len(self.waiting_queue) + len(self.grammar_manager),
             kv_total_tokens=self.max_total_num_tokens,
             kv_free_tokens=self.allocator.available_size(),
             kv_cached_tokens=self.tree_cache.total_size(),

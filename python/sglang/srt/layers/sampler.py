@@ -1,8 +1,9 @@
 """Sampler: next token per request from [B, V] logits and a SamplingBatchInfo.
 
 Pipeline: apply penalties / grammar mask / logit_bias / min_new_tokens ban (in place, unless the
-caller already did) -> custom logit processors (upstream's place for them) -> logprobs -> greedy argmax, or temperature -> softmax -> joint top-k/top-p/min-p mask ->
-inverse-CDF draw with one uniform per row (global RNG, or the row's (seed, step) hash).
+caller already did) -> custom logit processors (upstream's place for them) -> logprobs -> greedy
+argmax, or temperature -> softmax -> joint top-k/top-p/min-p mask -> inverse-CDF draw with one
+uniform per row (global RNG, or the row's (seed, step) hash).
 
 Inverse CDF runs in vocabulary order on the masked probabilities, never in sorted order, so a
 seeded row's token depends only on its own logits, params and (seed, step): not on whether a

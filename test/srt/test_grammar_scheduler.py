@@ -113,3 +113,16 @@ def test_grammar_backend_none_refuses(scheduler):
     finally:
         s.grammar_manager.grammar_backend = backend
     assert not s.has_work()
+
+
+def test_offline_engine_grammar_and_processor():
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.testing.logit_processors import ScriptedTokensLogitProcessor
+
+    with Engine(model_path=MODEL, device="cpu", max_total_tokens=2048, enable_custom_logit_processor=True) as e:
+        res = e.generate(input_ids=[[5, 6], [7, 8]],
+                         sampling_params=[{"max_new_tokens": 8, "custom_params": {"token_ids": [9, 10, 11]}},
+                                          {"max_new_tokens": 20, "regex": r"\d{2}-(yes|no)", "temperature": 1.0}],
+                         custom_logit_processor=[ScriptedTokensLogitProcessor.to_str(), None])
+        assert res[0]["output_ids"] == [9, 10, 11, 1]
+        assert re.fullmatch(r"\d{2}-(yes|no)", res[1]["text"]), res[1]["text"]

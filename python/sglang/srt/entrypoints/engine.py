@@ -60,7 +60,8 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------
     def _submit(self, prompt: str | None, input_ids: list[int] | None, params: dict | SamplingParams | None,
-                return_logprob: bool, logprob_start_len: int, top_logprobs_num: int) -> _Pending:
+                return_logprob: bool, logprob_start_len: int, top_logprobs_num: int,
+                custom_logit_processor: str | None = None) -> _Pending:
         sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(dict(params or {}))
         sp.normalize(self.tokenizer)
         sp.verify(self.model_config.vocab_size)
@@ -73,7 +74,8 @@ class Engine:
                              sp.stop_strs, sp.no_stop_trim)
         pending = _Pending(rid, decode, list(input_ids), logprob_start_len)
         for out in self.scheduler.add_request(TokenizedGenerateReqInput(
-                rid, list(input_ids), sp, return_logprob, logprob_start_len, top_logprobs_num)):
+                rid, list(input_ids), sp, return_logprob, logprob_start_len, top_logprobs_num,
+                custom_logit_processor=custom_logit_processor)):
             pending.push(out)
         return pending
 
@@ -96,8 +98,11 @@ class Engine:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         stream: bool = False,
+        custom_logit_processor: str | list[str | None] | None = None,
     ):
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
+        `custom_logit_processor`: CustomLogitProcessor.to_str() for every prompt or one per prompt
+        (needs enable_custom_logit_processor=True); a grammar in sampling_params works as on /generate.
 
         Each result: {"text", "output_ids", "meta_info": {prompt_tokens, completion_tokens,
         cached_tokens, finish_reason, [input|output]_token_logprobs ...}}. With stream=True
@@ -112,8 +117,11 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling_params for {n} prompts")
+        procs = custom_logit_processor if isinstance(custom_logit_processor, list) else [custom_logit_processor] * n
+        if len(procs) != n:
+            raise ValueError(f"{len(procs)} custom_logit_processor entries for {n} prompts")
         pendings = [self._submit(prompts[i] if prompts else None, ids[i] if ids else None, params[i],
-                                 return_logprob, logprob_start_len, top_logprobs_num) for i in range(n)]
+                                 return_logprob, logprob_start_len, top_logprobs_num, procs[i]) for i in range(n)]
         if stream:
             if n != 1:
                 raise ValueError("stream=True takes a single prompt")

@@ -256,3 +256,25 @@ def test_cache_is_bounded_lru(tokenizer, vocab):
         assert b.num_compiles == 3
     finally:
         b.shutdown()
+
+
+def test_mask_and_processors_make_no_host_sync(backend, vocab):
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.sampler import apply_custom_logit_processor
+    from sglang.srt.testing.logit_processors import ScriptedTokensLogitProcessor
+    from sglang.srt.testing.sync_guard import no_host_sync
+
+    g = compile_ok(backend, "regex", "(yes|no)")
+    req = SimpleNamespace(output_ids=[], eos_token_ids=frozenset([EOS]))
+    params = [SamplingParams(regex="(yes|no)"), SamplingParams()]
+    info = SamplingBatchInfo.from_params(
+        params, vocab, "cpu", grammars=[g, None], custom_logit_processors=[None, ScriptedTokensLogitProcessor.to_str()],
+        custom_params=[None, {"token_ids": [42], "__req__": req}])
+    logits = torch.randn(2, vocab)
+    with no_host_sync():
+        info.update_regex_vocab_mask()
+        info.apply_logits_bias(logits)
+        apply_custom_logit_processor(logits, info)
+    assert set(torch.isfinite(logits[0]).nonzero().view(-1).tolist()) == allowed(g, vocab)
+    assert torch.isfinite(logits[1]).nonzero().view(-1).tolist() == [42]

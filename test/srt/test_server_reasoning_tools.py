@@ -14,7 +14,7 @@ import requests
 
 from sglang.srt.managers.tokenizer_utils import load_tokenizer
 from sglang.srt.model_loader.builtin import resolve_model_path
-from sglang.srt.testing.scripted_logit_processor import ScriptedTokensLogitProcessor
+from sglang.srt.testing.logit_processors import ScriptedTokensLogitProcessor
 from sglang.srt.testing.server import ServerProcess
 
 V32 = "builtin:tiny-deepseek-v32"

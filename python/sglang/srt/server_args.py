@@ -29,6 +29,7 @@ from sglang.srt.layers.attention.attention_registry import (  # noqa: E402
     NSA_BACKEND_CHOICES,
 )
 from sglang.srt.layers.moe import MOE_RUNNER_BACKENDS  # noqa: E402
+from sglang.srt.constrained import GRAMMAR_BACKENDS  # noqa: E402
 
 
 class ServerArgsError(ValueError):
@@ -157,6 +158,16 @@ class ServerArgs:
                                         "nsa")
     mla_attn_path: str = _f("auto", "MLA formulation: auto (plain for prefill, absorbed for decode), "
                             "or force one (debug / equivalence tests).", "nsa", MLA_PATHS)
+
+    # -- structured outputs / custom logit processors ------------------------------------------
+    grammar_backend: str = _f("xgrammar", "Grammar backend for json_schema / regex / ebnf / structural_tag "
+                              "requests; none = structured outputs disabled (such requests get a 400).",
+                              "constrained", GRAMMAR_BACKENDS)
+    constrained_json_disable_any_whitespace: bool = _f(False, "json_schema: allow only the compact JSON layout "
+                                                       "instead of any whitespace between tokens.", "constrained")
+    enable_custom_logit_processor: bool = _f(False, "Accept requests' custom_logit_processor (dill-serialised "
+                                             "code run in the server: enable for trusted clients only).",
+                                             "constrained")
 
     # ------------------------------------------------------------------------------------------
     @staticmethod

@@ -61,7 +61,8 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------------------
     def _submit(self, prompt: str | None, input_ids: list[int] | None, params: dict | SamplingParams | None,
                 return_logprob: bool, logprob_start_len: int, top_logprobs_num: int,
-                return_hidden_states: bool = False) -> _Pending:
+                return_hidden_states: bool = False,
+                custom_logit_processor: str | None = None) -> _Pending:
         sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(dict(params or {}))
         sp.normalize(self.tokenizer)
         sp.verify(self.model_config.vocab_size)
@@ -75,7 +76,7 @@ class Engine:
         pending = _Pending(rid, decode, list(input_ids), logprob_start_len)
         for out in self.scheduler.add_request(TokenizedGenerateReqInput(
                 rid, list(input_ids), sp, return_logprob, logprob_start_len, top_logprobs_num,
-                return_hidden_states=return_hidden_states)):
+                return_hidden_states=return_hidden_states, custom_logit_processor=custom_logit_processor)):
             pending.push(out)
         return pending
 
@@ -99,8 +100,11 @@ class Engine:
         top_logprobs_num: int = 0,
         stream: bool = False,
         return_hidden_states: bool = False,
+        custom_logit_processor: str | list[str | None] | None = None,
     ):
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
+        `custom_logit_processor`: CustomLogitProcessor.to_str() for every prompt or one per prompt
+        (needs enable_custom_logit_processor=True); a grammar in sampling_params works as on /generate.
 
         Each result: {"text", "output_ids", "meta_info": {prompt_tokens, completion_tokens,
         cached_tokens, finish_reason, [input|output]_token_logprobs ...}}. With stream=True
@@ -117,8 +121,11 @@ class Engine:
             raise ValueError(f"{len(params)} sampling_params for {n} prompts")
         if return_hidden_states and not self.server_args.enable_return_hidden_states:
             raise ValueError("return_hidden_states needs enable_return_hidden_states=True")
+        procs = custom_logit_processor if isinstance(custom_logit_processor, list) else [custom_logit_processor] * n
+        if len(procs) != n:
+            raise ValueError(f"{len(procs)} custom_logit_processor entries for {n} prompts")
         pendings = [self._submit(prompts[i] if prompts else None, ids[i] if ids else None, params[i],
-                                 return_logprob, logprob_start_len, top_logprobs_num, return_hidden_states)
+                                 return_logprob, logprob_start_len, top_logprobs_num, return_hidden_states, procs[i])
                     for i in range(n)]
         if stream:
             if n != 1:

@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                  405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error"}
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-                  "top_logprobs_num", "rid", "return_text_in_logprobs", "return_hidden_states"}
+                  "top_logprobs_num", "rid", "return_text_in_logprobs", "return_hidden_states",
+                  "custom_logit_processor"}
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, version: str = "") -> FastAPI:
@@ -329,11 +330,15 @@ def _native_requests(body: dict) -> tuple[list[GenerateRequest], bool]:
     stream = _typed(body, "stream", (bool,), False)
     _typed(body, "return_text_in_logprobs", (bool,), False)
     hidden = _typed(body, "return_hidden_states", (bool,), False)
+    # Upstream: one processor string for all prompts, or a list with one (or null) per prompt.
+    clp = _typed(body, "custom_logit_processor", (str, list), None, lambda c: isinstance(c, str) or (
+        len(c) == len(prompts) and all(x is None or isinstance(x, str) for x in c)))
+    clps = clp if isinstance(clp, list) else [clp] * len(prompts)
     reqs = [GenerateRequest(text=p.get("text"), input_ids=p.get("input_ids"), sampling_params=s,
                             return_logprob=return_logprob, logprob_start_len=start, top_logprobs_num=top_n,
                             stream=stream, rid=r if single or isinstance(rid, list) else None,
-                            return_hidden_states=hidden)
-            for p, s, r in zip(prompts, sps, rids)]
+                            return_hidden_states=hidden, custom_logit_processor=c)
+            for p, s, r, c in zip(prompts, sps, rids, clps)]
     return reqs, single
 
 

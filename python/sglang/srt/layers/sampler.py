@@ -1,8 +1,9 @@
 """Sampler: next token per request from [B, V] logits and a SamplingBatchInfo.
 
-Pipeline: apply penalties / logit_bias / min_new_tokens ban (in place, unless the caller already
-did) -> logprobs -> greedy argmax, or temperature -> softmax -> joint top-k/top-p/min-p mask ->
-inverse-CDF draw with one uniform per row (global RNG, or the row's (seed, step) hash).
+Pipeline: apply penalties / grammar mask / logit_bias / min_new_tokens ban (in place, unless the
+caller already did) -> custom logit processors (upstream's place for them) -> logprobs -> greedy
+argmax, or temperature -> softmax -> joint top-k/top-p/min-p mask -> inverse-CDF draw with one
+uniform per row (global RNG, or the row's (seed, step) hash).
 
 Inverse CDF runs in vocabulary order on the masked probabilities, never in sorted order, so a
 seeded row's token depends only on its own logits, params and (seed, step): not on whether a
@@ -40,6 +41,8 @@ class Sampler(nn.Module):
         info = sampling_info
         if info is not None and not info.logits_bias_applied:
             info.apply_logits_bias(logits)
+        if info is not None and info.has_custom_logit_processor:
+            apply_custom_logit_processor(logits, info)
 
         argmax = logits.argmax(dim=-1)
         if info is None or info.is_all_greedy:
@@ -58,6 +61,16 @@ class Sampler(nn.Module):
         if info is not None:
             info.logits_bias_applied = False  # the next step's logits need the bias again
         return out
+
+
+def apply_custom_logit_processor(logits: torch.Tensor, info: SamplingBatchInfo) -> None:
+    """In place: each processor gets the rows of the requests that use it, with their params."""
+    if logits.shape[0] != len(info):
+        raise ValueError(f"logits have {logits.shape[0]} rows for a batch of {len(info)}")
+    params = info.custom_params or [None] * len(info)
+    for processor, rows in info.custom_logit_processor.values():
+        idx = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        logits[idx] = processor(logits[idx], [params[i] for i in rows]).to(logits.dtype)
 
 
 def _sample(logits: torch.Tensor, info: SamplingBatchInfo, argmax: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     input_text: str | None = None
     return_hidden_states: bool = False
+    custom_logit_processor: str | None = None  # CustomLogitProcessor.to_str(); needs the server flag
 
 
 @dataclass

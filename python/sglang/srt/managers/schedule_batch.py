@@ -58,7 +58,8 @@ class FINISH_ABORT(BaseFinishReason):
 class Req:
     def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
                  return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 stream: bool = False, return_hidden_states: bool = False) -> None:
+                 stream: bool = False, return_hidden_states: bool = False,
+                 custom_logit_processor: str | None = None) -> None:
         self.rid = rid
         self.origin_input_ids = list(origin_input_ids)
         self.sampling_params = sampling_params
@@ -67,6 +68,14 @@ class Req:
         self.logprob_start_len = logprob_start_len
         self.top_logprobs_num = top_logprobs_num
         self.stream = stream
+        # Structured outputs: the grammar key (kind, text), and the matcher (a Future while it
+        # compiles in the grammar backend's pool; the request waits in the grammar queue then).
+        self.grammar_key: tuple[str, str] | None = None
+        self.grammar = None
+        self.grammar_wait_start = 0.0
+        self.custom_logit_processor = custom_logit_processor
+        # The model's EOS ids (set by the scheduler): custom logit processors may read them.
+        self.eos_token_ids: frozenset[int] = frozenset()
 
         self.req_pool_idx: int | None = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
@@ -145,6 +154,10 @@ class Req:
             return
         last = self.output_ids[-1]
         n_out = len(self.output_ids)
+        if self.grammar is not None and self.grammar.is_terminated():
+            # The grammar accepted a stop token (upstream: matched = that token, an EOS).
+            self.finished_reason = FINISH_MATCHED_TOKEN(last)
+            return
         if n_out >= sp.min_new_tokens:
             if sp.stop_token_ids and last in sp.stop_token_ids:
                 self.finished_reason = FINISH_MATCHED_TOKEN(last)

@@ -23,6 +23,8 @@ from sglang.srt.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
+from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
+from sglang.srt.constrained.grammar_manager import GrammarManager
 from sglang.srt.managers.request_limits import request_length_error
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting_queue
@@ -32,6 +34,7 @@ from sglang.srt.mem_cache.base_prefix_cache import ChunkCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.sampling.custom_logit_processor import CUSTOM_LOGIT_PROCESSOR_DISABLED
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs
 
@@ -64,7 +67,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.vocab_size = self.model_config.vocab_size
-
+        # Structured outputs: no backend with --grammar-backend none, or without a tokenizer (tests).
+        backend = None
+        if tokenizer is not None:
+            backend = create_grammar_backend(server_args, tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        self.grammar_manager = GrammarManager(backend, mr.world_group)
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -80,16 +87,37 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         if sp.max_new_tokens is None:  # upstream: bounded only by the context length
             sp.max_new_tokens = max(self.context_len - len(recv.input_ids), 0)
         req = Req(recv.rid, recv.input_ids, sp, recv.return_logprob, recv.logprob_start_len,
-                  recv.top_logprobs_num, recv.stream, recv.return_hidden_states)
+                  recv.top_logprobs_num, recv.stream, recv.return_hidden_states, recv.custom_logit_processor)
+        req.eos_token_ids = frozenset(self.eos_token_ids)
         error = request_length_error(len(req.origin_input_ids), sp.max_new_tokens, self.context_len,
                                      self.max_total_num_tokens, self.page_size)
         if error is not None:
             req.finished_reason = FINISH_ABORT(error.message, 400)
             return [self._make_output(req, [])]
+        if req.custom_logit_processor and not self.server_args.enable_custom_logit_processor:
+            req.finished_reason = FINISH_ABORT(CUSTOM_LOGIT_PROCESSOR_DISABLED, 400)
+            return [self._make_output(req, [])]
+        if self.grammar_manager.process_req_with_grammar(req):
+            return []  # compiling: it waits in the grammar queue
+        if req.finished():
+            return [self._make_output(req, [])]
         self.waiting_queue.append(req)
         return []
 
+    def move_ready_grammar_requests(self) -> list[ReqOutput]:
+        outs = []
+        for req in self.grammar_manager.get_ready_grammar_requests():
+            if req.finished():
+                outs.append(self._make_output(req, []))
+            else:
+                self.waiting_queue.append(req)
+        return outs
+
     def abort_request(self, rid: str) -> list[ReqOutput]:
+        req = self.grammar_manager.abort_request(rid)
+        if req is not None:
+            req.finished_reason = FINISH_ABORT("aborted by client")
+            return [self._make_output(req, [])]
         for i, req in enumerate(self.waiting_queue):
             if req.rid == rid:
                 del self.waiting_queue[i]
@@ -106,13 +134,16 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             self.tree_cache.cache_finished_req(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running or self.chunked_req)
+        return bool(self.waiting_queue or self.running or self.chunked_req or self.grammar_manager.grammar_queue)
 
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
         outputs = self._drain_aborts()
+        outputs += self.move_ready_grammar_requests()
         batch = self.get_next_batch_to_run()
         if batch is None:
+            if not (self.waiting_queue or self.running or self.chunked_req):
+                self.grammar_manager.wait()
             return outputs
         result = self.run_batch(batch)
         self.observe_batch(batch)  # stats logs / metrics: host counters only
@@ -283,10 +314,19 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
 
     # -- run + results ----------------------------------------------------------------------------------
     def _sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
+        grammars = procs = params = None
+        if any(r.grammar is not None for r in reqs):
+            grammars = [r.grammar for r in reqs]
+        if any(r.custom_logit_processor for r in reqs):
+            procs = [r.custom_logit_processor for r in reqs]
+            # Upstream passes the request itself as "__req__" (output_ids so far, prompt, ...).
+            params = [{**(r.sampling_params.custom_params or {}), "__req__": r} if r.custom_logit_processor
+                      else None for r in reqs]
         return SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs], self.vocab_size, self.device,
             output_ids=[r.output_ids for r in reqs], seeds_step=[len(r.output_ids) for r in reqs],
-            eos_token_ids=self.eos_token_ids)
+            eos_token_ids=self.eos_token_ids, grammars=grammars, custom_logit_processors=procs,
+            custom_params=params)
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         fb = batch.build_forward_batch(batch.input_ids, batch.out_cache_loc, self.device,
@@ -320,7 +360,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running_reqs=len(self.running) + (1 if self.chunked_req else 0),
-            num_waiting_reqs=len(self.waiting_queue),
+            num_waiting_reqs=len(self.waiting_queue) + len(self.grammar_manager),
             kv_total_tokens=self.max_total_num_tokens,
             kv_free_tokens=self.allocator.available_size(),
             kv_cached_tokens=self.tree_cache.total_size(),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang.srt.managers.io_struct import ReqOutput
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ScheduleBatch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
 
@@ -148,12 +148,19 @@ class SchedulerOutputProcessorMixin:
         for j, tok in enumerate(result.next_token_ids[i]):
             req.output_ids.append(tok)
             new_ids.append(tok)
+            if req.grammar is not None and not req.grammar.accept_token(tok):
+                # Only a custom logit processor can override the mask: say so, do not crash.
+                req.finished_reason = FINISH_ABORT(
+                    f"token {tok} is not allowed by the request's {req.grammar_key[0]} grammar (a custom "
+                    "logit processor or a banned EOS overrode the grammar mask)", 400)
             if req.return_logprob and result.next_token_logprobs is not None:
                 req.pending_logprobs.append(result.next_token_logprobs[i][j])
                 if req.top_logprobs_num and result.next_top_logprobs is not None:
                     req.pending_top_logprobs.append(result.next_top_logprobs[i][j])
             req.check_finished(self.eos_token_ids, self.tokenizer)
             if req.finished():
+                if req.grammar is not None:
+                    req.grammar.finished = True
                 break
         return new_ids
 

@@ -32,9 +32,12 @@ from sglang.srt.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
+from sglang.srt.constrained import KIND_TO_FIELD, STRUCTURED_OUTPUTS_DISABLED
+from sglang.srt.constrained.base_grammar_backend import create_grammar_backend, grammar_key
 from sglang.srt.managers.request_limits import request_length_error
 from sglang.srt.managers.request_state import RequestState
 from sglang.srt.managers.tokenizer_utils import load_tokenizer, max_input_bytes_per_token
+from sglang.srt.sampling.custom_logit_processor import CUSTOM_LOGIT_PROCESSOR_DISABLED, load_custom_logit_processor
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.ipc import PortArgs, get_zmq_socket
@@ -65,6 +68,7 @@ class GenerateRequest:
     stream: bool = False
     rid: str | None = None
     return_hidden_states: bool = False
+    custom_logit_processor: str | None = None  # CustomLogitProcessor.to_str() (upstream's top-level field)
 
 
 class _LiveState(RequestState):
@@ -104,6 +108,9 @@ class TokenizerManager:
         self._pool = ThreadPoolExecutor(max_workers=min(8, max(2, os.cpu_count() or 1)),
                                         thread_name_prefix="tokenize")
         self.shutting_down = False
+        # Grammars are compiled here too (cached, in the backend's pool) so that a bad one is a 400
+        # before anything is sent; the scheduler compiles its own copy (its own cache).
+        self.grammar_backend = create_grammar_backend(server_args, self.tokenizer, self.vocab_size)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -193,7 +200,28 @@ class TokenizerManager:
             self.check_length(len(ids), sp.max_new_tokens)
         else:
             raise RequestError("either text (prompt) or input_ids is required", param="prompt")
+        self.check_constraints(req, sp)
         return req.rid or uuid.uuid4().hex, ids, sp
+
+    def check_constraints(self, req: GenerateRequest, sp: SamplingParams) -> None:
+        """custom_logit_processor allowed and loadable; the grammar (if any) compiles (blocking,
+        cached: run it in the pool, as prepare does)."""
+        if req.custom_logit_processor is not None:
+            if not self.server_args.enable_custom_logit_processor:
+                raise RequestError(CUSTOM_LOGIT_PROCESSOR_DISABLED, param="custom_logit_processor")
+            try:
+                load_custom_logit_processor(req.custom_logit_processor)
+            except ValueError as e:
+                raise RequestError(str(e), param="custom_logit_processor") from None
+        key = grammar_key(sp)
+        if key is None:
+            return
+        field = KIND_TO_FIELD[key[0]]
+        if self.grammar_backend is None:
+            raise RequestError(STRUCTURED_OUTPUTS_DISABLED, param=field)
+        error = self.grammar_backend.validate(key)
+        if error is not None:
+            raise RequestError(error, param=field)
 
     async def prepare(self, req: GenerateRequest) -> tuple[str, list[int], SamplingParams]:
         """Validate and tokenize in the pool; raises RequestError before anything is sent."""
@@ -221,7 +249,7 @@ class TokenizerManager:
                         sp.to_dict(), req.return_logprob, req.stream)
         await self.send_to_scheduler.send_pyobj(TokenizedGenerateReqInput(
             iid, ids, sp, req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.stream, req.text,
-            req.return_hidden_states))
+            return_hidden_states=req.return_hidden_states, custom_logit_processor=req.custom_logit_processor))
         try:
             while True:
                 await state.event.wait()

@@ -13,7 +13,12 @@ Semantics (documented choices):
 - Frequency / presence penalties count generated (output) tokens only (OpenAI semantics, as
   upstream). Repetition penalty also uses output tokens only, as current upstream SGLang does;
   pass `prompt_ids` to from_params to include the prompt (HF / vLLM semantics).
-- Penalties, then logit_bias, then the min_new_tokens EOS ban (last, so no bias can undo it).
+- Penalties, then the grammar vocab mask, then logit_bias, then the min_new_tokens EOS ban (last,
+  so no bias can undo it): upstream's order for the first three. Custom logit processors run after
+  all of these, in the Sampler (upstream's order too).
+- Grammar mask: `update_regex_vocab_mask()` fills one packed int32 bitmask [B, ceil(V/32)] on the
+  host from each constrained request's matcher (other rows allow everything) and uploads it once,
+  non_blocking. Call it after the grammars accepted the previous step's tokens (from_params does).
 - Seeded rows: one uniform per row from a counter-based hash of (sampling_seed, step), where step
   = tokens already generated; it depends on nothing else (batch, position, device, global RNG).
 """
@@ -21,6 +26,7 @@ Semantics (documented choices):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -82,6 +88,17 @@ class SamplingBatchInfo:
     seeded_mask: torch.Tensor | None = None  # [B] bool, None when no row is seeded
     seeded_uniforms: torch.Tensor | None = None  # [B] fp32, u for seeded rows (0 elsewhere)
 
+    # Structured outputs: one grammar (or None) per row; the packed mask and the function that
+    # applies it (the grammar backend's static apply_vocab_mask). None when no row is constrained.
+    grammars: list[Any] | None = None
+    vocab_mask: torch.Tensor | None = None
+    apply_mask_func: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+
+    # Custom logit processors: processor string -> (processor, its rows as a host list);
+    # custom_params[i] is row i's params dict (with "__req__") or None.
+    custom_logit_processor: dict[str, tuple[Any, list[int]]] = field(default_factory=dict)
+    custom_params: list[dict | None] | None = None
+
     # Set by apply_logits_bias; the Sampler applies the bias itself unless this is already set,
     # so a caller that applied it first does not get penalties twice.
     logits_bias_applied: bool = False
@@ -92,6 +109,10 @@ class SamplingBatchInfo:
     @property
     def batch_size(self) -> int:
         return len(self)
+
+    @property
+    def has_custom_logit_processor(self) -> bool:
+        return bool(self.custom_logit_processor)
 
     @property
     def has_penalties(self) -> bool:
@@ -108,10 +129,15 @@ class SamplingBatchInfo:
         seeds_step: list[int] | None = None,
         eos_token_ids: set[int] | None = None,
         prompt_ids: list[list[int]] | None = None,
+        grammars: list[Any] | None = None,
+        custom_logit_processors: list[str | None] | None = None,
+        custom_params: list[dict | None] | None = None,
     ) -> "SamplingBatchInfo":
         """`output_ids[i]`: tokens request i generated so far. `seeds_step[i]` defaults to
         len(output_ids[i]) (0 without output_ids). `eos_token_ids`: banned, with each request's
-        stop_token_ids, until min_new_tokens are out. `prompt_ids`: only for repetition penalty."""
+        stop_token_ids, until min_new_tokens are out. `prompt_ids`: only for repetition penalty.
+        `grammars[i]`: request i's grammar object or None. `custom_logit_processors[i]`: its
+        serialised processor or None, called with `custom_params[i]` (a dict, "__req__" included)."""
         bs = len(params)
         if output_ids is not None and len(output_ids) != bs:
             raise ValueError(f"output_ids has {len(output_ids)} rows for a batch of {bs}")
@@ -156,7 +182,41 @@ class SamplingBatchInfo:
         info.sampling_seeds = [p.sampling_seed for p in params]
         info.seeds_step = list(seeds_step) if seeds_step is not None else list(info.output_lens)
         info._refresh_step_state()
+        if grammars is not None and any(g is not None for g in grammars):
+            if len(grammars) != bs:
+                raise ValueError(f"grammars has {len(grammars)} rows for a batch of {bs}")
+            info.grammars = list(grammars)
+            info.update_regex_vocab_mask()
+        if custom_logit_processors is not None and any(custom_logit_processors):
+            info._init_custom_logit_processors(custom_logit_processors, custom_params)
         return info
+
+    def _init_custom_logit_processors(self, procs: list[str | None], params: list[dict | None] | None) -> None:
+        from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+        rows: dict[str, list[int]] = {}
+        for i, s in enumerate(procs):
+            if s:
+                rows.setdefault(s, []).append(i)
+        self.custom_logit_processor = {
+            s: (CustomLogitProcessor.from_str(s), r) for s, r in rows.items()}
+        self.custom_params = list(params) if params is not None else [None] * len(procs)
+
+    def update_regex_vocab_mask(self) -> None:
+        """Fill the batch's grammar mask on the host and upload it once (non_blocking)."""
+        live = [g for g in (self.grammars or []) if g is not None]
+        if not live:
+            self.vocab_mask = self.apply_mask_func = None
+            return
+        first = live[0]
+        # The grammar's vocabulary may exceed the logits' (a tokenizer larger than the embedding):
+        # the mask is sized for the grammar and applied to the logits' columns.
+        mask = first.allocate_vocab_mask(getattr(first, "vocab_size", self.vocab_size), len(self), self.device)
+        for i, g in enumerate(self.grammars):
+            if g is not None and not g.finished and not g.is_terminated():
+                g.fill_vocab_mask(mask, i)
+        self.vocab_mask = first.move_vocab_mask(mask, self.device)
+        self.apply_mask_func = first.apply_vocab_mask  # a static method: one call for all rows
 
     def _init_penalties(self, params: list[SamplingParams], outs: list[list[int]],
                         prompt_ids: list[list[int]] | None) -> None:
@@ -230,7 +290,7 @@ class SamplingBatchInfo:
                                        check_invariants=True).coalesce()
 
     def apply_logits_bias(self, logits: torch.Tensor) -> torch.Tensor:
-        """Penalties, logit_bias and the min_new_tokens ban, in place on [B, V] logits."""
+        """Penalties, the grammar mask, logit_bias and the min_new_tokens ban, in place on [B, V]."""
         if self.repetition_mask is not None:
             pen = torch.where(self.repetition_mask, self.repetition_penalties, 1.0)
             # Scaling (CTRL / HF): push seen tokens towards "less likely" whatever the sign.
@@ -238,6 +298,8 @@ class SamplingBatchInfo:
         if self.output_token_counts is not None:
             logits.sub_(self.frequency_penalties * self.output_token_counts)
             logits.sub_(self.presence_penalties * (self.output_token_counts > 0))
+        if self.vocab_mask is not None:
+            self.apply_mask_func(logits, self.vocab_mask)
         if self.logit_bias_rows is not None:
             logits.index_put_((self.logit_bias_rows, self.logit_bias_cols),
                               self.logit_bias_vals.to(logits.dtype), accumulate=True)

@@ -9,14 +9,18 @@ what the client sent.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from sglang.srt.constrained import GRAMMAR_FIELDS
 
 # Below this temperature a request is greedy (argmax); dividing by it would overflow anyway.
 SAMPLING_EPS = 1e-6
 # top_k value meaning "no top-k filtering".
 TOP_K_ALL = -1
+GRAMMAR_FIELD_NAMES = tuple(GRAMMAR_FIELDS)  # json_schema, regex, ebnf, structural_tag
 
 
 @dataclass
@@ -40,6 +44,14 @@ class SamplingParams:
     sampling_seed: int | None = None
     no_stop_trim: bool = False
     logit_bias: dict[str | int, float] | None = None
+    # Structured outputs (at most one per request; compiled by --grammar-backend).
+    json_schema: str | None = None  # a JSON schema, serialised (an object is serialised by normalize())
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None  # upstream's {"structures": [...], "triggers": [...]} as JSON text
+    # Free-form parameters for the request's custom logit processor (needs
+    # --enable-custom-logit-processor); the processor also gets this request as "__req__".
+    custom_params: dict[str, Any] | None = None
     # Derived by normalize(): longest stop string, in tokens (chars without a tokenizer); the
     # detokenizer holds back this much text before streaming so a stop string is never leaked.
     stop_str_max_len: int = field(default=0, init=False, repr=False, compare=False)
@@ -124,6 +136,15 @@ class SamplingParams:
                 key = _as_token_id(k)
                 norm[key if key is not None else k] = v
             self.logit_bias = norm
+        if isinstance(self.json_schema, (dict, bool)):  # a schema given as an object, not as text
+            self.json_schema = json.dumps(self.json_schema)
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = json.dumps(self.structural_tag)
+
+    @property
+    def grammar_fields(self) -> list[str]:
+        """The structured-output fields this request sets (verify() allows at most one)."""
+        return [name for name in GRAMMAR_FIELD_NAMES if getattr(self, name) is not None]
 
     # -- validation ---------------------------------------------------------------------------
     def verify(self, vocab_size: int | None = None) -> None:
@@ -187,6 +208,18 @@ class SamplingParams:
                 _check_token_id("logit_bias", tid, vocab_size)
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
                     _bad("logit_bias", v, f"value for token {k} must be a number in [-100, 100] (as OpenAI)")
+
+        grammar = self.grammar_fields
+        if len(grammar) > 1:
+            _bad(grammar[0], ", ".join(grammar),
+                 "cannot be combined with another structured-output constraint: give at most one of "
+                 + ", ".join(GRAMMAR_FIELD_NAMES))
+        for name in grammar:
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v.strip():
+                _bad(name, v, "must be a non-empty string")
+        if self.custom_params is not None and not isinstance(self.custom_params, dict):
+            _bad("custom_params", self.custom_params, "must be an object")
 
 
 # -- helpers -------------------------------------------------------------------------------------

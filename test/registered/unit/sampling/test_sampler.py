@@ -385,8 +385,8 @@ def test_verify_message_names_range():
 def test_from_dict_and_to_dict():
     with pytest.raises(ValueError, match="'tmperature'"):
         SamplingParams.from_dict({"tmperature": 0.5, "top_p": 0.9})
-    with pytest.raises(ValueError, match="json_schema"):
-        SamplingParams.from_dict({"json_schema": "{}"})
+    with pytest.raises(ValueError, match="json_scheme"):  # a typo of a known field is still rejected
+        SamplingParams.from_dict({"json_scheme": "{}"})
     p = SamplingParams.from_dict({"seed": 11, "temperature": 0.0, "stop": "END", "top_k": None})
     assert p.sampling_seed == 11 and p.temperature == 0.0 and p.top_k == -1
     assert SamplingParams.from_dict(p.to_dict()) == p

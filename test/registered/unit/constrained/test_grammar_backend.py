@@ -1,0 +1,280 @@
+"""The xgrammar backend on the tiny tokenizer: masks equal a brute-force reference (the set of
+tokens that keep the text a prefix of some string in the grammar's finite language), padded
+vocabulary ids are never allowed, compile errors name the field, the compile cache, and the mask
+as SamplingBatchInfo applies it. CPU, fast."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("xgrammar")
+
+from sglang.srt.constrained.base_grammar_backend import (  # noqa: E402
+    BaseGrammarBackend,
+    InvalidGrammar,
+    create_grammar_backend,
+    grammar_key,
+)
+from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend  # noqa: E402
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+EOS = 1
+PAD = 7  # model vocab = tokenizer vocab + PAD, as checkpoints pad the embedding
+
+
+@pytest.fixture(scope="module")
+def tokenizer(builtin_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(builtin_path("tiny-deepseek-v32"))
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer):
+    return len(tokenizer) + PAD
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer, vocab):
+    b = XGrammarGrammarBackend(tokenizer, vocab, eos_token_ids=[EOS], any_whitespace=False)
+    yield b
+    b.shutdown()
+
+
+@pytest.fixture(scope="module")
+def token_text(tokenizer):
+    special = set(tokenizer.all_special_ids)
+    return {t: tokenizer.decode([t]) for t in range(len(tokenizer)) if t not in special}
+
+
+def compile_ok(backend, kind, text):
+    value = backend._init_value_dispatch((kind, text))
+    assert not isinstance(value, InvalidGrammar), value.error_message()
+    return value
+
+
+def allowed(grammar, vocab) -> set[int]:
+    mask = grammar.allocate_vocab_mask(vocab, 1, "cpu")
+    grammar.fill_vocab_mask(mask, 0)
+    bits = mask[0].tolist()
+    return {t for t in range(vocab) if (bits[t // 32] >> (t % 32)) & 1}
+
+
+def reference(language: set[str], prefix: str, token_text: dict[int, str]) -> set[int]:
+    """Tokens whose text keeps prefix a prefix of some string of the language; EOS when complete."""
+    out = {t for t, s in token_text.items() if s and any(w.startswith(prefix + s) for w in language)}
+    if prefix in language:
+        out.add(EOS)
+    return out
+
+
+def walk_and_check(backend, kind, text, language, token_text, vocab, seed=0, walks=6):
+    """Random walks through the grammar; at every step the mask must equal the reference."""
+    rng = random.Random(seed)
+    for _ in range(walks):
+        g = compile_ok(backend, kind, text)
+        prefix = ""
+        for _step in range(200):
+            got = allowed(g, vocab)
+            assert got == reference(language, prefix, token_text), (kind, text, prefix)
+            assert not any(t >= vocab - PAD for t in got), "padded ids must never be allowed"
+            tok = rng.choice(sorted(got))
+            assert g.accept_token(tok)
+            if tok == EOS:
+                assert g.is_terminated()
+                assert prefix in language
+                break
+            prefix += token_text[tok]
+        else:
+            pytest.fail("walk did not terminate")
+
+
+def test_regex_mask_matches_brute_force(backend, token_text, vocab):
+    language = {f"{a}{b}-{w}" for a, b in itertools.product("0123456789", repeat=2) for w in ("yes", "no")}
+    walk_and_check(backend, "regex", r"\d{2}-(yes|no)", language, token_text, vocab)
+
+
+def test_ebnf_mask_matches_brute_force(backend, token_text, vocab):
+    grammar = 'root ::= ("yes" | "no" | "maybe") " " digit\ndigit ::= [0-3]'
+    language = {f"{w} {d}" for w in ("yes", "no", "maybe") for d in "0123"}
+    walk_and_check(backend, "ebnf", grammar, language, token_text, vocab, seed=1)
+
+
+def test_json_schema_mask_matches_brute_force(backend, token_text, vocab):
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    # any_whitespace=False: xgrammar's compact layout, keys in schema order.
+    language = {f'{{"a": "{a}", "b": {b}}}' for a in ("x", "yz") for b in ("true", "false")}
+    language |= {json.dumps({"a": a, "b": b}, separators=(",", ":")) for a in ("x", "yz") for b in (True, False)}
+    # Either separator style may be xgrammar's compact one; the walk pins whichever it uses.
+    rng = random.Random(2)
+    for _ in range(6):
+        g = compile_ok(backend, "json", json.dumps(schema))
+        prefix = ""
+        for _step in range(100):
+            got = allowed(g, vocab)
+            ref = reference(language, prefix, token_text)
+            assert got and got <= ref, (prefix, sorted(got - ref)[:10])
+            tok = rng.choice(sorted(got))
+            assert g.accept_token(tok)
+            if tok == EOS:
+                break
+            prefix += token_text[tok]
+        obj = json.loads(prefix)
+        assert obj["a"] in ("x", "yz") and isinstance(obj["b"], bool) and set(obj) == {"a", "b"}
+
+
+def test_rejected_token_leaves_state(backend, tokenizer, vocab):
+    g = compile_ok(backend, "regex", "(yes|no)")
+    bad = tokenizer.encode("zzz", add_special_tokens=False)[0]
+    assert not g.accept_token(bad)
+    for t in tokenizer.encode("yes", add_special_tokens=False):
+        assert g.accept_token(t)
+    assert not g.is_terminated() and g.accept_token(EOS) and g.is_terminated()
+
+
+@pytest.mark.parametrize("kind,text,field", [
+    ("regex", "([a", "regex"),
+    ("json", "{not json", "json_schema"),
+    ("json", '{"type": "no-such-type"}', "json_schema"),
+    ("ebnf", "root ::= ", "ebnf"),
+    ("structural_tag", '{"structures": [{"begin": "<f>"}]}', "structural_tag"),
+])
+def test_compile_errors_name_the_field(backend, kind, text, field):
+    err = backend.validate((kind, text))
+    assert err is not None and err.startswith(f"sampling_params.{field} is not a valid"), err
+    assert "/project/" not in err and not err.startswith("[")  # native prefix stripped
+
+
+def test_structural_tag_upstream_format_compiles(backend):
+    tag = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}
+    assert backend.validate(("structural_tag", json.dumps(tag))) is None
+
+
+def test_cache_compiles_once_and_copies_are_independent(tokenizer, vocab):
+    b = XGrammarGrammarBackend(tokenizer, vocab, eos_token_ids=[EOS])
+    try:
+        key = ("regex", "(yes|no)-[0-9]")
+        first, hit1 = b.get_cached_or_future_value(key)
+        second, hit2 = b.get_cached_or_future_value(key)  # concurrent miss: same compile
+        assert not hit1 and not hit2
+        g1, g2 = first.result(30), second.result(30)
+        assert g1 is not g2 and g1.matcher is not g2.matcher
+        g3, hit3 = b.get_cached_or_future_value(key)
+        assert hit3 and b.num_compiles == 1
+        for t in tokenizer.encode("yes", add_special_tokens=False):
+            assert g1.accept_token(t)
+        assert allowed(g2, b.vocab_size) == allowed(g3, b.vocab_size) != allowed(g1, b.vocab_size)
+        bad = ("regex", "(")
+        assert b.validate(bad) is not None and b.validate(bad) is not None
+        value, hit = b.get_cached_or_future_value(bad)
+        assert hit and isinstance(value, InvalidGrammar) and b.num_compiles == 2
+    finally:
+        b.shutdown()
+
+
+def test_compile_runs_off_the_caller_thread():
+    gate = threading.Event()
+
+    class Slow(BaseGrammarBackend):
+        def dispatch_regex(self, s):
+            gate.wait(10)
+            raise ValueError("slow and bad")
+
+    b = Slow()
+    try:
+        fut, hit = b.get_cached_or_future_value(("regex", "x"))
+        assert not hit and not fut.done()  # returned while the compile is still blocked
+        gate.set()
+        value = fut.result(10)
+        assert isinstance(value, InvalidGrammar) and "slow and bad" in value.error_message()
+    finally:
+        b.shutdown()
+
+
+def test_factory(tokenizer, vocab):
+    args = ServerArgs(model_path="x", grammar_backend="none")
+    assert create_grammar_backend(args, tokenizer, vocab) is None
+    args = ServerArgs(model_path="x")
+    b = create_grammar_backend(args, tokenizer, vocab, eos_token_ids=[EOS])
+    assert isinstance(b, XGrammarGrammarBackend) and EOS in b.stop_token_ids and b.vocab_size == vocab
+    b.shutdown()
+
+
+def test_sampling_batch_info_applies_the_mask_to_constrained_rows_only(backend, tokenizer, vocab):
+    g = compile_ok(backend, "regex", "(yes|no)")
+    params = [SamplingParams(), SamplingParams(regex="(yes|no)"), SamplingParams()]
+    info = SamplingBatchInfo.from_params(params, vocab, "cpu", grammars=[None, g, None])
+    assert info.vocab_mask is not None and info.vocab_mask.dtype == torch.int32
+    logits = torch.randn(3, vocab)
+    before = logits.clone()
+    info.apply_logits_bias(logits)
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    finite = set(torch.isfinite(logits[1]).nonzero().view(-1).tolist())
+    assert finite == allowed(g, vocab) and 0 < len(finite) < vocab
+    plain = SamplingBatchInfo.from_params(params, vocab, "cpu", grammars=[None, None, None])
+    assert plain.vocab_mask is None and plain.apply_mask_func is None
+
+
+def test_sampling_params_grammar_fields():
+    p = SamplingParams.from_dict({"json_schema": {"type": "object"}})
+    p.normalize(None)
+    p.verify(10)
+    assert p.json_schema == '{"type": "object"}' and grammar_key(p) == ("json", p.json_schema)
+    assert grammar_key(SamplingParams.from_dict({"ebnf": 'root ::= "a"'})) == ("ebnf", 'root ::= "a"')
+    assert grammar_key(SamplingParams()) is None
+    two = SamplingParams.from_dict({"regex": "a", "ebnf": 'root ::= "a"'})
+    with pytest.raises(ValueError, match="regex.*ebnf|ebnf.*regex"):
+        two.verify(10)
+    with pytest.raises(ValueError, match="regex"):
+        SamplingParams.from_dict({"regex": 5}).verify(10)
+    with pytest.raises(ValueError, match="custom_params"):
+        SamplingParams.from_dict({"custom_params": [1]}).verify(10)
+    with pytest.raises(ValueError, match="unknown parameter"):
+        SamplingParams.from_dict({"json_schemas": "{}"})
+    q = SamplingParams.from_dict({"regex": "a+", "custom_params": {"k": 1}})
+    assert SamplingParams.from_dict(q.to_dict()) == q
+
+
+def test_cache_is_bounded_lru(tokenizer, vocab):
+    b = XGrammarGrammarBackend(tokenizer, vocab, eos_token_ids=[EOS])
+    b.max_cache_entries = 2
+    try:
+        for pattern in ("a", "b"):
+            assert b.validate(("regex", pattern)) is None
+        b.get_cached_or_future_value(("regex", "a"))  # "a" is now the most recently used
+        assert b.validate(("regex", "c")) is None
+        assert list(b.cache) == [("regex", "a"), ("regex", "c")]
+        assert b.num_compiles == 3
+    finally:
+        b.shutdown()
+
+
+def test_mask_and_processors_make_no_host_sync(backend, vocab):
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.sampler import apply_custom_logit_processor
+    from sglang.srt.testing.logit_processors import ScriptedTokensLogitProcessor
+    from sglang.srt.testing.sync_guard import no_host_sync
+
+    g = compile_ok(backend, "regex", "(yes|no)")
+    req = SimpleNamespace(output_ids=[], eos_token_ids=frozenset([EOS]))
+    params = [SamplingParams(regex="(yes|no)"), SamplingParams()]
+    info = SamplingBatchInfo.from_params(
+        params, vocab, "cpu", grammars=[g, None], custom_logit_processors=[None, ScriptedTokensLogitProcessor.to_str()],
+        custom_params=[None, {"token_ids": [42], "__req__": req}])
+    logits = torch.randn(2, vocab)
+    with no_host_sync():
+        info.update_regex_vocab_mask()
+        info.apply_logits_bias(logits)
+        apply_custom_logit_processor(logits, info)
+    assert set(torch.isfinite(logits[0]).nonzero().view(-1).tolist()) == allowed(g, vocab)
+    assert torch.isfinite(logits[1]).nonzero().view(-1).tolist() == [42]

@@ -289,9 +289,17 @@ def test_responses_incomplete_background_and_cancel(client, v32):
 
 
 # -- GLM-5 ------------------------------------------------------------------------------------------
-def test_glm5_reasoning_and_tool_calls():
+# GLM-4.7 / GLM-5's template ends the generation prompt with <think> (thinking) or </think> (not).
+GLM_LIKE_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}<|assistant|>"
+                     "{% if enable_thinking is defined and not enable_thinking %}</think>{% else %}<think>{% endif %}")
+
+
+def test_glm5_reasoning_and_tool_calls(tmp_path):
     tok = load_tokenizer(GLM)
-    with ServerProcess(GLM, *COMMON, "--reasoning-parser", "glm45", "--tool-call-parser", "glm47") as s:
+    template = tmp_path / "glm_like.jinja"
+    template.write_text(GLM_LIKE_TEMPLATE)
+    with ServerProcess(GLM, *COMMON, "--reasoning-parser", "glm45", "--tool-call-parser", "glm47",
+                       "--chat-template", str(template)) as s:
         client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused")
         text = "<think>The user wants weather.</think>" + GLM_CALL
         for stream in (False, True):
@@ -304,8 +312,16 @@ def test_glm5_reasoning_and_tool_calls():
                 m = r.choices[0].message
                 assert m.model_extra["reasoning_content"] == "The user wants weather."
                 assert json.loads(m.tool_calls[0].function.arguments) == {"city": "Paris", "days": 3}
-        off = chat(client, tok, "plain", extra={"chat_template_kwargs": {"enable_thinking": False}})
-        assert off.choices[0].message.content == "plain"
+        # the prompt opened the think block, so output without <think> starts inside it
+        forced = chat(client, tok, "Still thinking.</think>Answer.")
+        assert (forced.choices[0].message.model_extra["reasoning_content"], forced.choices[0].message.content) == \
+            ("Still thinking.", "Answer.")
+        off = chat(client, tok, "plain</think>", extra={"chat_template_kwargs": {"enable_thinking": False}})
+        assert off.choices[0].message.content == "plain</think>"
+        n_on = requests.post(s.base_url + "/v1/tokenize", json={"messages": [{"role": "user", "content": "x"}]}).json()
+        n_off = requests.post(s.base_url + "/v1/tokenize", json={"messages": [{"role": "user", "content": "x"}],
+                                                                 "chat_template_kwargs": {"enable_thinking": False}})
+        assert tok.decode(n_on["tokens"]).endswith("<think>") and tok.decode(n_off.json()["tokens"]).endswith("</think>")
         s.wait_idle()
 
 

@@ -142,9 +142,6 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     async def generate(raw: Request):
         body = await read_json(raw)
         reqs, single = await asyncio.to_thread(_native_requests, body)  # O(len(input_ids)) checks
-        if reqs[0].return_hidden_states and not server_args.enable_return_hidden_states:
-            raise RequestError("return_hidden_states needs the server started with --enable-return-hidden-states",
-                               param="return_hidden_states")
         with_text = bool(body.get("return_text_in_logprobs"))
         prepared = await asyncio.gather(*map(tm.prepare, reqs))
         if body.get("stream"):

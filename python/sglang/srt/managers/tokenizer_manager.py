@@ -205,7 +205,10 @@ class TokenizerManager:
 
     def check_constraints(self, req: GenerateRequest, sp: SamplingParams) -> None:
         """custom_logit_processor allowed and loadable; the grammar (if any) compiles (blocking,
-        cached: run it in the pool, as prepare does)."""
+        cached: run it in the pool, as prepare does); hidden states only where the server allows."""
+        if req.return_hidden_states and not self.server_args.enable_return_hidden_states:
+            raise RequestError("return_hidden_states needs the server started with --enable-return-hidden-states",
+                               param="return_hidden_states")
         if req.custom_logit_processor is not None:
             if not self.server_args.enable_custom_logit_processor:
                 raise RequestError(CUSTOM_LOGIT_PROCESSOR_DISABLED, param="custom_logit_processor")

@@ -44,6 +44,8 @@ UNSUPPORTED_FIELDS = {
     "lora_path": None, "session_id": None, "session_params": None, "stop_regex": None,
     "return_routed_experts": False, "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None,
     "routed_dp_rank": None, "data_parallel_rank": None, "images_config": None, "input_ids": None,
+    # OpenAI fields with no meaning for a text-only model without tools of its own
+    "functions": None, "function_call": None, "audio": None, "prediction": None, "web_search_options": None,
 }
 
 

@@ -5,6 +5,7 @@ finish reasons, upstream's Prometheus names and the periodic Prefill / Decode st
 One server for the module; every wait is on a condition (the machine is a busy 2-core one)."""
 
 import json
+import os
 import re
 import time
 
@@ -300,7 +301,8 @@ def test_prefill_and_decode_stats_lines(server, tok):
     assert 0 <= float(usage) <= 1
     running, tokens, usage, graph, thr, queue = decodes[0]
     assert int(running) == 1 and int(tokens) >= n_prompt and float(thr) > 0 and int(queue) == 0
-    assert graph == "False"  # CPU: no CUDA graphs
+    on_gpu = requests.get(server.base_url + "/get_server_info").json()["device"] == "cuda"
+    assert graph == str(on_gpu)  # decode replays CUDA graphs on GPUs; none on CPU
 
 
 def test_hidden_states_match_transformers(builtin_path):
@@ -310,8 +312,10 @@ def test_hidden_states_match_transformers(builtin_path):
 
     path = builtin_path("tiny-deepseek-v32")
     hf = load_hf_reference(path)
+    # page 1 so that 16-token chunks are allowed on GPUs too (SGLANG_TEST_DEVICE=cuda: ours on the GPU)
     engine = Engine(model_path=path, dtype="float32", max_total_tokens=4096, nsa_index_k_dtype="float32",
-                    random_seed=0, enable_return_hidden_states=True, chunked_prefill_size=16)
+                    device=os.environ.get("SGLANG_TEST_DEVICE", "cpu"), page_size=1, random_seed=0,
+                    enable_return_hidden_states=True, chunked_prefill_size=16)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, 1000, (n,), generator=g).tolist() for n in (5, 40)]
     sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}

@@ -191,6 +191,10 @@ def test_tool_errors(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(extra_body={"lora_path": "x"}, **kw)
     assert "lora_path" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(response_format={"type": "json_schema", "json_schema": {
+            "name": "bad", "schema": {"type": "no-such-type"}}}, **kw)
+    assert e.value.body["param"] == "response_format"
     assert client.chat.completions.create(**kw).choices[0].message.content is not None  # still serving
 
 

@@ -112,6 +112,12 @@ class SamplingExtras(_Request):
                                param=sorted(out)[0])
         return out
 
+    def grammar_param(self, param: str | None) -> str | None:
+        """Name a grammar error after the field the client set (response_format compiles as json_schema)."""
+        if param == "json_schema" and self.json_schema is None and self.response_format is not None:
+            return "response_format"
+        return param
+
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         sp = {
             "max_new_tokens": max_new_tokens,

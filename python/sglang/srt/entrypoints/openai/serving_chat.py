@@ -59,7 +59,11 @@ class ChatHandler(OpenAIServingBase):
                                top_logprobs_num=req.top_logprobs or 0, stream=req.stream,
                                custom_logit_processor=req.custom_logit_processor,
                                return_hidden_states=req.return_hidden_states)
-        rid, ids, sp_obj = await self.tm.prepare(base)
+        try:
+            rid, ids, sp_obj = await self.tm.prepare(base)
+        except RequestError as e:
+            e.param = "tool_choice" if mode == "json_array" and e.param == "json_schema" else req.grammar_param(e.param)
+            raise
         return [(base, (f"{rid}-{j}" if req.n > 1 else (req.rid or rid), ids, sp_obj), 0) for j in range(req.n)]
 
     @staticmethod

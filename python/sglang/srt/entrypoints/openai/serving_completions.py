@@ -53,7 +53,12 @@ class CompletionHandler(OpenAIServingBase):
             top_logprobs_num=req.logprobs or 0, stream=req.stream, custom_logit_processor=req.custom_logit_processor,
             return_hidden_states=req.return_hidden_states) for p in _prompts(req.prompt)]
         out = []
-        for pi, (base, prepared) in enumerate(zip(bases, await asyncio.gather(*map(self.tm.prepare, bases)))):
+        try:
+            prepared_all = await asyncio.gather(*map(self.tm.prepare, bases))
+        except RequestError as e:
+            e.param = req.grammar_param(e.param)
+            raise
+        for pi, (base, prepared) in enumerate(zip(bases, prepared_all)):
             for j in range(req.n):
                 rid = f"{prepared[0]}-{j}" if req.n > 1 else (req.rid or prepared[0])
                 out.append((base, (rid, prepared[1], prepared[2]), pi))

@@ -67,3 +67,18 @@ def node_ranks(world_size: int, nnodes: int, node_rank: int) -> range:
     """The global ranks a node runs (upstream's layout: node k runs a contiguous block)."""
     per = world_size // nnodes
     return range(node_rank * per, (node_rank + 1) * per)
+
+
+def gpu_for_rank(rank: int, world_size: int, nnodes: int = 1) -> int:
+    """The local GPU of global `rank` (ranks fill a node's GPUs in order, as node_ranks lays them out)."""
+    return rank % (world_size // nnodes)
+
+
+def bind_rank_gpu(rank: int, world_size: int, nnodes: int = 1) -> None:
+    """Put this rank's CUDA work on its own GPU (NCCL refuses two ranks on one device)."""
+    per_node = world_size // nnodes
+    have = torch.cuda.device_count()
+    if have < per_node:
+        raise RuntimeError(f"{per_node} ranks per node need {per_node} GPUs, but this node has {have} "
+                           "(lower --tp-size or raise --nnodes)")
+    torch.cuda.set_device(gpu_for_rank(rank, world_size, nnodes))

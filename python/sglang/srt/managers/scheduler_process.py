@@ -13,7 +13,7 @@ import traceback
 
 import zmq
 
-from sglang.srt.distributed.parallel_state import init_distributed
+from sglang.srt.distributed.parallel_state import bind_rank_gpu, init_distributed
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -95,6 +95,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
         # Ranks share the cores: oversubscribed OpenMP threads spin and slow everyone down.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) * server_args.nnodes // server_args.tp_size))
     try:
+        if server_args.device == "cuda" and server_args.tp_size > 1:
+            bind_rank_gpu(tp_rank, server_args.tp_size, server_args.nnodes)
         init = f"tcp://{server_args.dist_init_addr}" if server_args.nnodes > 1 else port_args.dist_init_method
         tp_group = init_distributed(server_args.tp_size, tp_rank, init, timeout_s=server_args.dist_timeout)
         tokenizer = load_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)

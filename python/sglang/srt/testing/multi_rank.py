@@ -108,12 +108,17 @@ def _worker(rank: int, world_size: int, port: int, cases: list[Case], queue) -> 
         import torch
 
         cuda = any(c.server_args.get("device") == "cuda" for c in cases)
+        backend = "gloo"
         if cuda:
-            torch.cuda.set_device(rank)
+            # One GPU per rank over NCCL where there are enough; fewer GPUs than ranks (a 1-GPU
+            # machine) share them over gloo, which moves CUDA tensors too (slowly): the CUDA code
+            # path is tested, only NCCL itself is not.
+            n_gpu = torch.cuda.device_count()
+            torch.cuda.set_device(rank % n_gpu)
+            backend = "nccl" if n_gpu >= world_size else "gloo"
         else:
             torch.set_num_threads(1)
-        group = init_distributed(world_size, rank, f"tcp://127.0.0.1:{port}", "nccl" if cuda else "gloo",
-                                 timeout_s=300)
+        group = init_distributed(world_size, rank, f"tcp://127.0.0.1:{port}", backend, timeout_s=300)
         results = [run_case(c, world_size, rank, group) for c in cases]
         queue.put((rank, results, None))
     except BaseException:

@@ -137,3 +137,20 @@ def test_upstream_cp_spellings_are_aliases():
     assert a.resolve().nsa_prefill_cp_mode == "in-seq-split"
     assert ServerArgs(model_path="x", nsa_prefill_cp_mode="interleave").resolve().nsa_prefill_cp_mode == \
         "round-robin-split"
+
+
+def test_ranks_fill_each_nodes_gpus_in_order():
+    from sglang.srt.distributed.parallel_state import gpu_for_rank, node_ranks
+
+    for world, nnodes in ((2, 1), (4, 1), (8, 2), (16, 4)):
+        per = world // nnodes
+        for node in range(nnodes):
+            assert [gpu_for_rank(r, world, nnodes) for r in node_ranks(world, nnodes, node)] == list(range(per))
+
+
+def test_too_few_gpus_is_a_clear_error(monkeypatch):
+    from sglang.srt.distributed import parallel_state
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match="2 ranks per node need 2 GPUs, but this node has 1"):
+        parallel_state.bind_rank_gpu(1, 2)

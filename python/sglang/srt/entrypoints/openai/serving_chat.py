@@ -42,7 +42,6 @@ class ChatHandler(OpenAIServingBase):
                 raise RequestError("top_logprobs requires logprobs=true", param="top_logprobs")
             if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
                 raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
-        tools = self._tools(req)
         mode = self.tool_mode(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sp = req.sampling_params(max_tokens)
@@ -50,7 +49,8 @@ class ChatHandler(OpenAIServingBase):
             if any(k in sp for k in ("regex", "ebnf", "json_schema")):
                 raise RequestError("tool_choice required / a named function cannot be combined with "
                                    "response_format, regex, ebnf or json_schema", param="tool_choice")
-            schema = get_json_schema_constraint(tools, self._tool_choice_dict(req), req.parallel_tool_calls)
+            schema = get_json_schema_constraint(req.template_tools(), self._tool_choice_dict(req),
+                                                req.parallel_tool_calls)
             sp["json_schema"] = json.dumps(schema)
         arch = self.tm.scheduler_info.get("architecture")
         prompt = await self.tm.run_in_pool(render_prompt, self.tm.tokenizer, arch, req.messages,
@@ -65,10 +65,6 @@ class ChatHandler(OpenAIServingBase):
             e.param = "tool_choice" if mode == "json_array" and e.param == "json_schema" else req.grammar_param(e.param)
             raise
         return [(base, (f"{rid}-{j}" if req.n > 1 else (req.rid or rid), ids, sp_obj), 0) for j in range(req.n)]
-
-    @staticmethod
-    def _tools(req: ChatCompletionRequest) -> list[dict] | None:
-        return [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
 
     @staticmethod
     def _tool_choice_dict(req: ChatCompletionRequest) -> Any:
@@ -99,7 +95,7 @@ class ChatHandler(OpenAIServingBase):
         if (self.reasoning_parser and req.separate_reasoning
                 and reasoning_enabled(self.reasoning_parser, req.template_kwargs())):
             reasoning = self.reasoning_parser
-        return OutputParser(reasoning, req.template_kwargs(), req.stream_reasoning, self._tools(req),
+        return OutputParser(reasoning, req.template_kwargs(), req.stream_reasoning, req.template_tools(),
                             self.tool_mode(req), self.tool_call_parser, req.parallel_tool_calls)
 
     # -- logprobs ---------------------------------------------------------------------------------

@@ -94,15 +94,20 @@ def collect(stream) -> dict:
 @pytest.mark.parametrize("stream", [False, True])
 def test_reasoning_split_with_thinking(client, tok, stream):
     text = "<think>Two plus two is four.</think>The answer is 4."
-    r = chat(client, tok, text, stream, extra={"chat_template_kwargs": {"thinking": True}})
+    r = chat(client, tok, text, stream, extra={"chat_template_kwargs": {"thinking": True}},
+             **({"stream_options": {"include_usage": True}} if stream else {}))
     if stream:
-        got = collect(r)
+        chunks = list(r)
+        got = collect(chunks)
         assert (got["reasoning"], got["content"], got["finish"]) == ("Two plus two is four.", "The answer is 4.",
                                                                     "stop")
+        assert chunks[-1].usage.model_extra["reasoning_tokens"] == len(
+            tok.encode("Two plus two is four.", add_special_tokens=False))
         assert got["matched_stop"] == tok.eos_token_id
         return
     m = r.choices[0].message
     assert (m.model_extra["reasoning_content"], m.content) == ("Two plus two is four.", "The answer is 4.")
+    assert r.usage.model_extra["reasoning_tokens"] == len(tok.encode("Two plus two is four.", add_special_tokens=False))
     assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["matched_stop"] == tok.eos_token_id
 
 

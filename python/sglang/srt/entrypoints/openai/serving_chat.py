@@ -170,6 +170,7 @@ class ChatHandler(OpenAIServingBase):
         parsers = [self.output_parser(req) for base, _, _ in items]
         sent_lp = [0] * len(items)
         finals: dict[int, dict] = {}
+        reasoning_text = [""] * len(items)
         for idx in range(len(items)):
             yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
@@ -191,6 +192,7 @@ class ChatHandler(OpenAIServingBase):
                 if req.logprobs:
                     lp = self._logprobs(meta, sent_lp[idx])
                     sent_lp[idx] = len(meta.get("output_token_logprobs") or [])
+                reasoning_text[idx] += "".join(ev.text for ev in events if ev.kind == "reasoning")
                 deltas = [self._delta(ev) for ev in events] or [{}]
                 for j, delta in enumerate(deltas):
                     last = j == len(deltas) - 1
@@ -202,7 +204,10 @@ class ChatHandler(OpenAIServingBase):
                             choice["hidden_states"] = meta["hidden_states"]
                     yield chunk([choice], [meta])
             if opts and opts.include_usage:
-                yield chunk([], usage=usage_of(list(finals.values())).model_dump(exclude_none=True))
+                usage = usage_of(list(finals.values()))
+                if self.reasoning_parser:
+                    usage.reasoning_tokens = sum(map(self._reasoning_tokens, reasoning_text))
+                yield chunk([], usage=usage.model_dump(exclude_none=True))
         except RequestError as e:
             yield sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.code}})
         yield SSE_DONE

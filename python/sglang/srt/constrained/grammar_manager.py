@@ -4,13 +4,16 @@ compiling wait here, in arrival order, off the waiting queue, so they delay nobo
 Rules: `process_req_with_grammar` never blocks (a cache hit attaches a fresh matcher at once; a
 miss queues the request with the compile's future); `get_ready_grammar_requests` never blocks on
 rank 0, and under TP the other ranks take rank 0's list (waiting for the same compile if theirs is
-slower), so every rank admits the same requests in the same step. A grammar that did not compile
+slower), so every rank admits the same requests in the same step. Under TP every grammar request
+goes through the queue, cache hit or not: each rank has its own cache, and a compile that already
+finished on one rank may still run on another, so "hit" is not the same decision on every rank. A grammar that did not compile
 (or not within GRAMMAR_TIMEOUT_S) finishes its request with a 400 abort naming the field.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 from sglang.srt.constrained import STRUCTURED_OUTPUTS_DISABLED
 from sglang.srt.constrained.base_grammar_backend import BaseGrammarBackend, InvalidGrammar, grammar_key
@@ -41,6 +44,8 @@ class GrammarManager:
             return False
         req.grammar_key = key
         value, cache_hit = self.grammar_backend.get_cached_or_future_value(key)
+        if cache_hit and not self.world_group.is_single:
+            value, cache_hit = _done(value), False  # rank 0's ready list admits it (see the module doc)
         if not cache_hit:
             req.grammar, req.grammar_wait_start = value, time.monotonic()
             self.grammar_queue.append(req)
@@ -99,3 +104,9 @@ class GrammarManager:
                 self.grammar_queue[0].grammar.exception(timeout=timeout)
             except Exception:  # TimeoutError / CancelledError: poll again next step
                 pass
+
+
+def _done(value) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut

@@ -278,3 +278,48 @@ def test_mask_and_processors_make_no_host_sync(backend, vocab):
         apply_custom_logit_processor(logits, info)
     assert set(torch.isfinite(logits[0]).nonzero().view(-1).tolist()) == allowed(g, vocab)
     assert torch.isfinite(logits[1]).nonzero().view(-1).tolist() == [42]
+
+
+class _Group:
+    """A TP group whose rank-0 broadcast is given: the ready list this rank will receive."""
+
+    is_single = False
+
+    def __init__(self, rank0_ready: list[int]) -> None:
+        self.rank0_ready = rank0_ready
+
+    def broadcast_object(self, obj, src: int = 0):
+        return self.rank0_ready
+
+
+def test_tp_ranks_queue_cache_hits_so_admission_is_rank0s(tokenizer, vocab):
+    """A grammar already compiled here (cache hit) may still compile on another rank: under TP it
+    must wait in the queue like a miss, and leave it only when rank 0's broadcast list says so --
+    otherwise the ranks' waiting queues, and so their batches, differ (a collective mismatch)."""
+    from concurrent.futures import Future
+
+    from sglang.srt.constrained.grammar_manager import GrammarManager
+    from sglang.srt.managers.schedule_batch import Req
+
+    backend = XGrammarGrammarBackend(tokenizer, vocab, eos_token_ids=[EOS])
+    sp = SamplingParams(regex=r"(yes|no)")
+    backend.get_cached_or_future_value(("regex", sp.regex))[0].result(60)  # now a cache hit here
+
+    def req(rid):
+        return Req(rid, [1, 2, 3], sp)
+
+    single = GrammarManager(backend, type("G", (), {"is_single": True})())
+    assert single.process_req_with_grammar(req("a")) is False  # one rank: a hit goes straight on
+
+    not_yet = GrammarManager(backend, _Group(rank0_ready=[]))
+    r = req("b")
+    assert not_yet.process_req_with_grammar(r) is True and isinstance(r.grammar, Future)
+    assert not_yet.get_ready_grammar_requests() == [] and len(not_yet) == 1  # rank 0 is still compiling
+
+    now = GrammarManager(backend, _Group(rank0_ready=[0]))
+    r = req("c")
+    assert now.process_req_with_grammar(r) is True
+    (out,) = now.get_ready_grammar_requests()
+    assert out is r and not isinstance(r.grammar, Future) and not out.finished()
+    assert allowed(r.grammar, backend.vocab_size)  # a live matcher of its own
+    backend.shutdown()

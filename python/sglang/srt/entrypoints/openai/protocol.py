@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
 from sglang.srt.managers.tokenizer_manager import RequestError
 
@@ -240,7 +240,14 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] | None = None
-    reasoning_tokens: int | None = None
+    reasoning_tokens: int | None = None  # only where a reasoning parser ran
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_reasoning(self, handler):
+        data = handler(self)
+        if self.reasoning_tokens is None:
+            data.pop("reasoning_tokens", None)
+        return data
 
 
 def make_id(prefix: str) -> str:

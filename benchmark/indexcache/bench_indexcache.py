@@ -192,7 +192,7 @@ def bench(path: str, freqs: list[int], args) -> list[dict]:
             rows[f].append(row)
     runs = []
     for f, engine in engines.items():
-        pool = engine.scheduler.model_runner.token_to_kv_pool
+        pool = engine.scheduler.tp_worker.model_runner.token_to_kv_pool
         sched = engine.model_config.index_layer_schedule
         runs.append({"freq": f, "offset": args.offset, "schedule": sched.describe(),
                      "full_layers": len(sched.full_layer_ids), "kv_bytes_per_token": pool.kv_bytes_per_token(),

@@ -50,7 +50,7 @@ def _engine(path, **kw):
 
 
 def _logits(engine, prompts):
-    return prefill_all_logits(engine.scheduler.model_runner, prompts)
+    return prefill_all_logits(engine.scheduler.tp_worker.model_runner, prompts)
 
 
 def _check_against_reference(engine, hf):
@@ -70,7 +70,7 @@ def test_shared_schedule_matches_transformers(ckpt, freq, offset):
     engine = _engine(path)
     sched = engine.model_config.index_layer_schedule
     assert sched.indexer_types() == hf.config.indexer_types and sched.shares
-    layers = engine.scheduler.model_runner.model.model.layers
+    layers = engine.scheduler.tp_worker.model_runner.model.model.layers
     assert [l.self_attn.indexer is not None for l in layers] == list(sched.full)
     _check_against_reference(engine, hf)
 
@@ -101,7 +101,7 @@ def test_freq_one_is_bit_identical_to_no_feature(ckpt):
     base = _engine(ckpt())
     for eng in (_engine(ckpt(index_topk_freq=1, index_skip_topk_offset=3)), _engine(ckpt(), nsa_index_topk_freq=1)):
         assert not eng.model_config.index_layer_schedule.shares
-        a, b = base.scheduler.model_runner.token_to_kv_pool, eng.scheduler.model_runner.token_to_kv_pool
+        a, b = base.scheduler.tp_worker.model_runner.token_to_kv_pool, eng.scheduler.tp_worker.model_runner.token_to_kv_pool
         assert a.index_layer_ids == b.index_layer_ids == list(range(LAYERS))
         assert [t.shape for t in a.index_k_with_scale_buffer] == [t.shape for t in b.index_k_with_scale_buffer]
         for x, y in zip(_logits(base, _prompts()), _logits(eng, _prompts())):
@@ -115,7 +115,7 @@ def test_pool_has_index_buffers_only_for_full_layers_and_capacity_rises(ckpt):
     full = Engine(model_path=ckpt(), dtype="float32", device="cpu", random_seed=0)  # memory-budget sizing
     shared = Engine(model_path=ckpt(index_topk_freq=4, index_skip_topk_offset=2), dtype="float32", device="cpu",
                     random_seed=0)
-    pf, ps = full.scheduler.model_runner.token_to_kv_pool, shared.scheduler.model_runner.token_to_kv_pool
+    pf, ps = full.scheduler.tp_worker.model_runner.token_to_kv_pool, shared.scheduler.tp_worker.model_runner.token_to_kv_pool
     sched = shared.model_config.index_layer_schedule
     assert ps.index_layer_ids == sched.full_layer_ids and len(ps.index_k_with_scale_buffer) == len(sched.full_layer_ids)
     for lid in range(LAYERS):

@@ -41,7 +41,7 @@ def _engine(path: str, page_size: int, **kw) -> Engine:
 
 
 def _prefill_all_logits(engine, prompts):
-    return prefill_all_logits(engine.scheduler.model_runner, prompts)
+    return prefill_all_logits(engine.scheduler.tp_worker.model_runner, prompts)
 
 
 @pytest.mark.parametrize("page_size", [1, 64])

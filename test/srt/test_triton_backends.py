@@ -51,7 +51,7 @@ def test_triton_path_matches_transformers(name, page_size, builtin_path):
     hf = load_hf_reference(path)
     engine = _engine(path, page_size)
     prompts = _prompts()
-    for prompt, ours in zip(prompts, prefill_all_logits(engine.scheduler.model_runner, prompts)):
+    for prompt, ours in zip(prompts, prefill_all_logits(engine.scheduler.tp_worker.model_runner, prompts)):
         err = (ours - hf_prefill_logits(hf, prompt)).abs().max().item()
         assert err < LOGIT_ATOL, (name, len(prompt), err)
     outs = engine.generate(input_ids=prompts,
@@ -66,11 +66,13 @@ def _decode_batch(engine: Engine, prompts: list[list[int]]) -> ForwardBatch:
     sched = engine.scheduler
     for p in prompts:
         engine._submit(None, p, {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}, False, -1, 0)
-    while sched.waiting_queue or sched.chunked_req:
+    while sched.waiting_queue or sched.chunked_req or sched.in_flight:
         sched.step()
     batch = sched.get_next_batch_to_run()
     assert batch.forward_mode == ForwardMode.DECODE and len(batch.reqs) == len(prompts)
-    return batch.build_forward_batch(batch.input_ids, batch.out_cache_loc, sched.device)
+    fb = sched.tp_worker.build_forward_batch(batch)
+    sched.tp_worker.resolve_input_ids(fb)  # decode ids come from the device token table
+    return fb
 
 
 @pytest.mark.parametrize("attn", ["triton", "torch"])
@@ -80,7 +82,7 @@ def test_forward_makes_no_host_sync(attn, builtin_path):
     (the torch MoE reference loops over experts on the host)."""
     engine = _engine(builtin_path("tiny-deepseek-v32"), 1, nsa_prefill_backend=attn, nsa_decode_backend=attn,
                      nsa_index_k_dtype="fp8_e4m3")
-    mr = engine.scheduler.model_runner
+    mr = engine.scheduler.tp_worker.model_runner
     fb = _decode_batch(engine, _prompts())
     with no_host_sync():
         mr.forward(fb)
@@ -89,7 +91,7 @@ def test_forward_makes_no_host_sync(attn, builtin_path):
         engine._submit(None, p, {"max_new_tokens": 1}, False, -1, 0)
     batch = sched.get_next_batch_to_run()
     assert batch.forward_mode == ForwardMode.EXTEND
-    fb = batch.build_forward_batch(batch.input_ids, batch.out_cache_loc, sched.device)
+    fb = sched.tp_worker.build_forward_batch(batch)
     with no_host_sync():
         mr.forward(fb)
     # the guard is real: our code reading a value back inside it fails (the debug checks do)
@@ -109,7 +111,7 @@ def test_graph_runner_replays_padded_batches_like_eager(builtin_path):
     """The runner copies a batch into its bucket's static buffers, pads the rest with the padding
     request (padding page), replays, and returns the first bs rows: equal to the eager forward."""
     engine = _engine(builtin_path("tiny-deepseek-v32"), 1, cuda_graph_max_bs=4, max_running_requests=4)
-    mr = engine.scheduler.model_runner
+    mr = engine.scheduler.tp_worker.model_runner
     runner = CudaGraphRunner(mr, EagerGraphBackend())
     assert runner.capture_bs == [1, 2, 4]
     fb = _decode_batch(engine, _prompts())  # bs 3 -> bucket 4
@@ -167,7 +169,7 @@ def test_cuda_graph_decode_equals_eager(builtin_path):
     sp = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
     eager = _engine(path, 64 if DEVICE == "cuda" else 1).generate(input_ids=prompts, sampling_params=sp)
     graphs = _engine(path, 64 if DEVICE == "cuda" else 1, disable_cuda_graph=False, cuda_graph_max_bs=8)
-    mr = graphs.scheduler.model_runner
+    mr = graphs.scheduler.tp_worker.model_runner
     if DEVICE != "cuda":
         mr.cuda_graph_runner = CudaGraphRunner(mr, EagerGraphBackend())
     assert mr.cuda_graph_runner is not None

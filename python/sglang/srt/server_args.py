@@ -104,6 +104,10 @@ class ServerArgs:
     schedule_policy: str = _f("fcfs", "Waiting-queue order: fcfs, or lpm (longest cached prefix first).",
                               "scheduling", SCHEDULE_POLICIES)
     enable_mixed_chunk: bool = _f(False, "Run decode requests inside prefill batches.", "scheduling")
+    disable_overlap_schedule: bool = _f(False, "Process each step's results before preparing the next step. "
+                                        "By default (overlap) step n+1 is prepared and launched while step n "
+                                        "runs: its input ids come from a device-resident token table.",
+                                        "scheduling")
 
     # -- http ---------------------------------------------------------------------------------
     host: str = _f("127.0.0.1", "HTTP host.", "http")

@@ -2,8 +2,14 @@
 
 KV bookkeeping of a request:
 - `prefix_indices`: slots of the cached prefix owned by the prefix cache (locked via `last_node`);
-- `kv_committed_len`: how many of `kv_token_ids()` have KV in `req_to_token[req_pool_idx]`.
-  Positions [len(prefix_indices), kv_committed_len) are slots the request allocated itself.
+- `kv_committed_len`: how many of `kv_token_ids()` have KV in `req_to_token[req_pool_idx]` that a
+  processed step accepted. Positions [len(prefix_indices), kv_committed_len) are slots the request
+  allocated itself.
+- `kv_allocated_len`: positions with a slot in `req_to_token` (>= kv_committed_len): steps in flight
+  (overlap) and rows a step computed but did not accept (speculative verify) lie in between. Pages
+  wholly past kv_committed_len are freed once no step that writes them is in flight.
+- `inflight`: launched steps containing the request whose results are not processed yet; `epoch`
+  counts retractions, so a result computed before a retraction is recognised as stale.
 """
 
 from __future__ import annotations
@@ -81,6 +87,9 @@ class Req:
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
         self.kv_committed_len = 0
+        self.kv_allocated_len = 0
+        self.inflight = 0
+        self.epoch = 0
         self.extend_input_len = 0  # tokens in the current extend step
         self.is_chunked = False  # prefill not finished (more chunks to come)
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
@@ -136,12 +145,22 @@ class Req:
             n = min(n, max(self.logprob_start_len - 1, 0))
         return max(n, 0)
 
+    def needs_host_sampling_state(self) -> bool:
+        """Sampling this request needs host state of every earlier step (the grammar's matcher, the
+        output ids for penalties and custom processors, the output count for min_new_tokens), so
+        its next step cannot be prepared while the previous one is in flight."""
+        sp = self.sampling_params
+        return bool(self.grammar is not None or self.custom_logit_processor or sp.frequency_penalty
+                    or sp.presence_penalty or sp.repetition_penalty != 1.0 or sp.min_new_tokens)
+
     def reset_for_retract(self) -> None:
         self.req_pool_idx = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
         self.kv_committed_len = 0
+        self.kv_allocated_len = 0
         self.is_chunked = False
+        self.epoch += 1  # a result still in flight for the old KV is stale
 
     def check_finished(self, eos_token_ids: set[int], tokenizer=None) -> None:
         if self.finished():
@@ -177,19 +196,30 @@ class Req:
 
 
 class ScheduleBatch:
-    """A list of requests plus how to lower them to one forward."""
+    """A list of requests plus how to lower them to one forward.
 
-    def __init__(self, reqs: list[Req], forward_mode: ForwardMode) -> None:
+    Rows: request i computes `extend_lens[i]` tokens on top of `prefix_lens[i]` cached ones. The
+    first `num_extend_reqs` requests extend a prompt (prefill or a chunk of it); the rest decode,
+    `extend_lens[i]` tokens each (1, or N when a speculative worker verifies N tokens). A decode
+    row's input id is FUTURE_TOKEN: the worker reads it from the device token table.
+    """
+
+    def __init__(self, reqs: list[Req], forward_mode: ForwardMode, num_extend_reqs: int | None = None) -> None:
         self.reqs = reqs
         self.forward_mode = forward_mode
+        self.num_extend_reqs = (0 if forward_mode.is_decode() else len(reqs)) if num_extend_reqs is None \
+            else num_extend_reqs
         self.prefix_lens: list[int] = []
         self.extend_lens: list[int] = []
+        self.input_ids: list[int] = []
+        self.out_cache_loc: torch.Tensor | None = None
+        self.sampling_info = None
+        self.req_epochs: list[int] = []  # each request's epoch at launch (see Req.epoch)
 
     def is_empty(self) -> bool:
         return not self.reqs
 
-    def build_forward_batch(self, input_ids: list[int], out_cache_loc: torch.Tensor, device: str,
-                            sampling_info=None) -> ForwardBatch:
+    def build_forward_batch(self, device: str, sampling_info=None) -> ForwardBatch:
         return_logprob = any(r.return_logprob for r in self.reqs)
         start_lens = []
         for r, pl in zip(self.reqs, self.prefix_lens):
@@ -201,11 +231,11 @@ class ScheduleBatch:
                 start_lens.append(-1)
         return ForwardBatch.build(
             self.forward_mode,
-            input_ids,
+            self.input_ids,
             [r.req_pool_idx for r in self.reqs],
             self.prefix_lens,
             self.extend_lens,
-            out_cache_loc,
+            self.out_cache_loc,
             device=device,
             return_logprob=return_logprob,
             logprob_start_lens_cpu=start_lens,

@@ -1,12 +1,22 @@
-"""Scheduler: continuous batching over the model runner, with a prefix cache.
+"""Scheduler: continuous batching over a model worker, with a prefix cache.
 
 `step()` = `get_next_batch_to_run()` (a prefill batch of newly admitted requests -- optionally
 with the running decode requests mixed in -- or one decode step of the running requests) ->
-`run_batch()` (one forward + sampling, then the step's single device->host copy) ->
-`process_batch_result()` (scheduler_output_processor.py; results may hold several tokens per
-request). Requests that cannot get KV wait; a decode step that runs out of KV retracts requests
-back to the queue. The scheduler reads only host state (the req_to_token host mirror, CPU lists).
-The same class runs in-process (the offline Engine) and inside the scheduler process.
+`run_batch()` (the worker launches forward + sampling and queues the step's device->host copy) ->
+`process_batch_result()` (scheduler_output_processor.py; results may hold 0..N tokens per request
+and say which KV rows to commit). With overlap (the default) step n+1 is prepared and launched
+before step n's results are processed; decode input ids come from the worker's device token table,
+so nothing waits for step n's tokens to reach the host. Steps whose sampling needs the previous
+step's host state (grammars, penalties, custom processors) wait for it first.
+
+Requests that cannot get KV wait; a decode step that runs out of KV retracts requests back to the
+queue. The scheduler reads only host state (the req_to_token host mirror, CPU lists). The same
+class runs in-process (the offline Engine) and inside the scheduler process.
+
+Lifecycle hooks, each called from one place: `tree_cache.check_events()` once per iteration,
+`tree_cache.prepare_batch(batch)` before a launch, `tree_cache.on_batch_done(batch)` after its
+results are applied, `on_prefill_finished(req)` when a request's prompt is complete (the default
+policy starts decoding it); KV allocation (`alloc_kv`) is separate from building a batch.
 """
 
 from __future__ import annotations
@@ -32,8 +42,10 @@ from sglang.srt.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from sglang.srt.managers.scheduler_output_processor import GenerationBatchResult, SchedulerOutputProcessorMixin
 from sglang.srt.mem_cache.base_prefix_cache import ChunkCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.managers.overlap_utils import FUTURE_TOKEN, Pending
+from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.utils.common import cdiv
 from sglang.srt.sampling.custom_logit_processor import CUSTOM_LOGIT_PROCESSOR_DISABLED
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs
@@ -52,14 +64,16 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.model_config = model_config or model_config_from_server_args(server_args)
         torch.manual_seed(server_args.random_seed)
         self.tokenizer = tokenizer
-        self.model_runner = ModelRunner(self.model_config, server_args, tp_group)
-        mr = self.model_runner
+        self.tp_worker = worker = TpModelWorker(server_args, self.model_config, tp_group)
         self.device = server_args.device
         self.page_size = server_args.page_size
-        self.req_to_token_pool = mr.req_to_token_pool
-        self.allocator = mr.token_to_kv_pool_allocator
-        self.max_total_num_tokens = mr.max_total_num_tokens
-        self.max_running_requests = mr.max_running_requests
+        self.req_to_token_pool = worker.req_to_token_pool
+        self.allocator = worker.token_to_kv_pool_allocator
+        self.max_total_num_tokens = worker.max_total_num_tokens
+        self.max_running_requests = worker.max_running_requests
+        self.enable_overlap = not server_args.disable_overlap_schedule
+        # The launched step whose results are not processed yet (overlap), as (batch, pending).
+        self.in_flight: tuple[ScheduleBatch, Pending] | None = None
         self.context_len = self.model_config.context_len
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
         self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.page_size)
@@ -71,7 +85,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         backend = None
         if tokenizer is not None:
             backend = create_grammar_backend(server_args, tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-        self.grammar_manager = GrammarManager(backend, mr.world_group)
+        self.grammar_manager = GrammarManager(backend, worker.world_group)
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
@@ -124,31 +138,77 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 req.finished_reason = FINISH_ABORT("aborted by client")
                 self._release_if_held(req)
                 return [self._make_output(req, [])]
-        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+        # Running, between chunks, or in the step in flight (its prefill rows are in no queue).
+        in_flight = self.in_flight[0].reqs if self.in_flight is not None else []
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []) + in_flight:
             if req.rid == rid:
                 req.to_abort = "aborted by client"
         return []
 
     def _release_if_held(self, req: Req) -> None:
         if req.req_pool_idx is not None:
-            self.tree_cache.cache_finished_req(req)
+            self.release_req(req)
+
+    def release_req(self, req: Req) -> None:
+        """Hand a request's KV to the prefix cache and free what it does not keep: the one place a
+        request's slots are released (finish, abort, retraction, prefill-only). Callers make sure
+        no step that writes them is in flight, or that its result will be dropped (retraction)."""
+        self.free_uncommitted_kv(req)
+        self.tree_cache.cache_finished_req(req)
+
+    def free_uncommitted_kv(self, req: Req) -> None:
+        """Free the pages wholly past kv_committed_len (rows of a step that were not accepted, or of
+        a step whose request finished); the committed tail page keeps its free slots."""
+        start = cdiv(req.kv_committed_len, self.page_size) * self.page_size
+        if req.kv_allocated_len > start:
+            self.allocator.free(self.req_to_token_pool.read(req.req_pool_idx, req.kv_allocated_len)[start:])
+        req.kv_allocated_len = req.kv_committed_len
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running or self.chunked_req or self.grammar_manager.grammar_queue)
+        return bool(self.waiting_queue or self.running or self.chunked_req or self.grammar_manager.grammar_queue
+                    or self.in_flight is not None)
 
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
+        """One scheduler iteration: launch the next step, process the previous one's results (with
+        overlap the two run concurrently; without, the step launched here is processed here)."""
         outputs = self._drain_aborts()
         outputs += self.move_ready_grammar_requests()
+        self.tree_cache.check_events()
+        if self.in_flight is not None and not self._can_prepare_while_in_flight():
+            outputs += self._process_in_flight()
         batch = self.get_next_batch_to_run()
-        if batch is None:
-            if not (self.waiting_queue or self.running or self.chunked_req):
-                self.grammar_manager.wait()
-            return outputs
-        result = self.run_batch(batch)
-        self.observe_batch(batch)  # stats logs / metrics: host counters only
-        outputs += self.process_batch_result(batch, result)
+        launched = (batch, self.run_batch(batch)) if batch is not None else None
+        if self.in_flight is not None:
+            outputs += self._process_in_flight()
+        self.in_flight = launched
+        if launched is not None and not self._overlap_active():
+            outputs += self._process_in_flight()
+        if batch is None and self.in_flight is None and not (self.waiting_queue or self.running or self.chunked_req):
+            self.grammar_manager.wait()
         return outputs
+
+    def _overlap_active(self) -> bool:
+        return self.enable_overlap and self.tp_worker.supports_overlap
+
+    def _can_prepare_while_in_flight(self) -> bool:
+        """The next step may be built before the in-flight step's results are applied unless a
+        request that will run next needs those results on the host to be sampled."""
+        return self._overlap_active() and not any(r.needs_host_sampling_state() for r in self.running)
+
+    def _process_in_flight(self) -> list[ReqOutput]:
+        batch, pending = self.in_flight
+        self.in_flight = None
+        result = pending.result().to_host()
+        self.observe_batch(batch)  # stats logs / metrics: host counters only
+        outputs = self.process_batch_result(batch, result)
+        self.tree_cache.on_batch_done(batch)
+        return outputs
+
+    def on_prefill_finished(self, req: Req) -> None:
+        """Policy for a request whose prompt is complete and that goes on: decode it here. (A
+        prefill server of PD disaggregation sends its KV instead.)"""
+        self.running.append(req)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         batch = self._get_new_batch_prefill()
@@ -161,12 +221,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         for req in [r for r in self.running if r.to_abort]:
             self.running.remove(req)
             req.finished_reason = FINISH_ABORT(req.to_abort)
-            self.tree_cache.cache_finished_req(req)
+            if req.inflight == 0:  # else processing the step in flight releases it
+                self.release_req(req)
             outs.append(self._make_output(req, []))
         if self.chunked_req is not None and self.chunked_req.to_abort:
             req, self.chunked_req = self.chunked_req, None
             req.finished_reason = FINISH_ABORT(req.to_abort)
-            self.tree_cache.cache_finished_req(req)
+            self.release_req(req)
             outs.append(self._make_output(req, []))
         return outs
 
@@ -178,7 +239,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
-        running_slots = self.max_running_requests - len(self.running)
+        # Requests whose prefill is in flight (overlap) join `running` when it is processed.
+        in_flight_new = self.in_flight[0].num_extend_reqs if self.in_flight is not None else 0
+        running_slots = self.max_running_requests - len(self.running) - in_flight_new
         if running_slots <= 0 and self.chunked_req is None:
             return None
         reserved = self._reserved_for_running()
@@ -233,84 +296,99 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 req.req_pool_idx = r2t.alloc(1)[0]
                 if len(req.prefix_indices):
                     r2t.write(req.req_pool_idx, 0, req.prefix_indices)
-        decode_reqs = [r for r in self.running if r.output_ids] if mode == ForwardMode.MIXED else []
-        batch = ScheduleBatch(reqs + decode_reqs, mode)
-        batch.prefix_lens = [r.kv_committed_len for r in reqs] + [r.kv_committed_len for r in decode_reqs]
-        batch.extend_lens = [r.extend_input_len for r in reqs] + [1] * len(decode_reqs)
-        if not self._alloc_batch_kv(batch):
+                req.kv_allocated_len = req.kv_committed_len
+        decode_reqs = [r for r in self.running if not self._reaches_length(r)] if mode == ForwardMode.MIXED else []
+        prefix_lens = [r.kv_committed_len for r in reqs] + [r.kv_allocated_len for r in decode_reqs]
+        extend_lens = [r.extend_input_len for r in reqs] + [1] * len(decode_reqs)
+        out = self.alloc_kv(reqs + decode_reqs, prefix_lens, extend_lens, decode=False)
+        if out is None:
             for req in reqs:  # cannot happen when admission is right; undo and retry later
                 self._release_if_held(req)
                 req.reset_for_retract()
                 self.waiting_queue.insert(0, req)
             return None
+        batch = ScheduleBatch(reqs + decode_reqs, mode, num_extend_reqs=len(reqs))
+        batch.prefix_lens, batch.extend_lens, batch.out_cache_loc = prefix_lens, extend_lens, out
+        batch.input_ids = [t for req, p, e in zip(reqs, prefix_lens, extend_lens) for t in req.fill_slice(p, p + e)]
+        batch.input_ids += [FUTURE_TOKEN] * len(decode_reqs)
         return batch
 
     # -- decode -----------------------------------------------------------------------------------------
     def _prepare_decode(self) -> ScheduleBatch | None:
-        self._ensure_decode_memory()
-        if not self.running:
+        n = self.tp_worker.num_tokens_per_req
+        self._ensure_decode_memory(n)
+        reqs = [r for r in self.running if not self._reaches_length(r)]
+        if not reqs:
             return None
-        batch = ScheduleBatch(list(self.running), ForwardMode.DECODE)
-        batch.prefix_lens = [r.kv_committed_len for r in batch.reqs]
-        batch.extend_lens = [1] * len(batch.reqs)
-        if not self._alloc_batch_kv(batch):
+        prefix_lens = [r.kv_allocated_len for r in reqs]  # past any step still in flight
+        out = self.alloc_kv(reqs, prefix_lens, [n] * len(reqs), decode=True)
+        if out is None:
             raise RuntimeError("decode KV allocation failed after retraction")
+        batch = ScheduleBatch(reqs, ForwardMode.DECODE)
+        batch.prefix_lens, batch.extend_lens, batch.out_cache_loc = prefix_lens, [n] * len(reqs), out
+        batch.input_ids = [FUTURE_TOKEN] * (n * len(reqs))  # each request's last token, on the device
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
         return batch
 
-    def _decode_pages_needed(self) -> int:
-        return sum(1 for r in self.running if r.kv_committed_len % self.page_size == 0) * self.page_size
+    @staticmethod
+    def _reaches_length(req: Req) -> bool:
+        """The step in flight gives the request its last allowed token: no step after it."""
+        return req.inflight > 0 and len(req.output_ids) + req.inflight >= req.sampling_params.max_new_tokens
 
-    def _ensure_decode_memory(self) -> None:
-        need = self._decode_pages_needed()
+    def _decode_pages_needed(self, n: int) -> int:
+        p = self.page_size
+        return sum(cdiv(r.kv_allocated_len + n, p) - cdiv(r.kv_allocated_len, p) for r in self.running) * p
+
+    def _ensure_decode_memory(self, n: int) -> None:
+        need = self._decode_pages_needed(n)
         if self.allocator.available_size() < need:
             self.tree_cache.evict(need - self.allocator.available_size())
         retracted = 0
-        while self.running and self.allocator.available_size() < self._decode_pages_needed():
+        while self.running and self.allocator.available_size() < self._decode_pages_needed(n):
             victims = sorted(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
             victim = victims[0]
             self.running.remove(victim)
-            self.tree_cache.cache_finished_req(victim)
+            # A step in flight still writes the victim's old slots: it runs before any step that
+            # could reuse them (one device queue / one worker thread), and its result is dropped.
+            self.release_req(victim)
             victim.reset_for_retract()
             self.waiting_queue.insert(0, victim)
             retracted += 1
-            need = self._decode_pages_needed()
+            need = self._decode_pages_needed(n)
             if self.allocator.available_size() < need:
                 self.tree_cache.evict(need - self.allocator.available_size())
         if retracted:
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
             logger.warning("KV cache full: retracted %d request(s) back to the queue", retracted)
 
-    def _alloc_batch_kv(self, batch: ScheduleBatch) -> bool:
-        """KV slots for the batch's new tokens, written to req_to_token in one scatter. Host-only
-        (this runs every step): no per-request tensors in the decode case."""
+    def alloc_kv(self, reqs: list[Req], prefix_lens: list[int], extend_lens: list[int],
+                 decode: bool) -> torch.Tensor | None:
+        """KV slots for positions [prefix, prefix + extend) of each request, written to req_to_token
+        in one scatter; sets kv_allocated_len. Evicts from the prefix cache once if needed; None
+        (nothing allocated) when it still does not fit. Host-only: this runs every step."""
         r2t = self.req_to_token_pool
-        seq_lens = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
-        rows = [r.req_pool_idx for r in batch.reqs]
-        last_locs = r2t.last_locs(rows, batch.prefix_lens)
-        decode = batch.forward_mode.is_decode()
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        rows = [r.req_pool_idx for r in reqs]
+        last_locs = r2t.last_locs(rows, prefix_lens)
+        one_each = decode and all(e == 1 for e in extend_lens)
 
         def alloc():
-            if decode:
+            if one_each:
                 return self.allocator.alloc_decode(seq_lens, last_locs)
-            return self.allocator.alloc_extend(batch.prefix_lens, seq_lens, last_locs)
+            return self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
 
         out = alloc()
         if out is None:
-            self.tree_cache.evict(sum(batch.extend_lens) + self.page_size * len(batch.reqs))
+            self.tree_cache.evict(sum(extend_lens) + self.page_size * len(reqs))
             out = alloc()
             if out is None:
-                return False
-        ext = torch.tensor(batch.extend_lens)
-        cols = torch.arange(len(out)) + (torch.tensor(batch.prefix_lens) - (torch.cumsum(ext, 0) - ext)).repeat_interleave(ext)
+                return None
+        ext = torch.tensor(extend_lens)
+        cols = torch.arange(len(out)) + (torch.tensor(prefix_lens) - (torch.cumsum(ext, 0) - ext)).repeat_interleave(ext)
         r2t.write_tokens(torch.tensor(rows).repeat_interleave(ext), cols, out)
-        if decode:  # the token at position p is the last generated one
-            batch.input_ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in batch.reqs]
-        else:
-            batch.input_ids = [t for req, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)
-                               for t in req.fill_slice(p, p + e)]
-        batch.out_cache_loc = out
-        return True
+        for r, sl in zip(reqs, seq_lens):
+            r.kv_allocated_len = sl
+        return out
 
     # -- run + results ----------------------------------------------------------------------------------
     def _sampling_info(self, reqs: list[Req]) -> SamplingBatchInfo:
@@ -322,19 +400,23 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             # Upstream passes the request itself as "__req__" (output_ids so far, prompt, ...).
             params = [{**(r.sampling_params.custom_params or {}), "__req__": r} if r.custom_logit_processor
                       else None for r in reqs]
+        # A step in flight adds one token to each of its requests (only requests whose sampling
+        # needs no host state of that step are prepared meanwhile): the seed step counts it.
         return SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs], self.vocab_size, self.device,
-            output_ids=[r.output_ids for r in reqs], seeds_step=[len(r.output_ids) for r in reqs],
+            output_ids=[r.output_ids for r in reqs], seeds_step=[len(r.output_ids) + r.inflight for r in reqs],
             eos_token_ids=self.eos_token_ids, grammars=grammars, custom_logit_processors=procs,
             custom_params=params)
 
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        fb = batch.build_forward_batch(batch.input_ids, batch.out_cache_loc, self.device,
-                                       self._sampling_info(batch.reqs))
-        logits_output = self.model_runner.forward(fb)
-        sample = self.model_runner.sample(logits_output, fb)
+    def run_batch(self, batch: ScheduleBatch) -> Pending:
+        """Launch the batch on the worker; its results are processed later (process_batch_result)."""
+        batch.sampling_info = self._sampling_info(batch.reqs)
+        batch.req_epochs = [r.epoch for r in batch.reqs]
+        for r in batch.reqs:
+            r.inflight += 1
+        self.tree_cache.prepare_batch(batch)
         self.forward_ct += 1
-        return GenerationBatchResult.from_device(batch, fb, logits_output, sample)
+        return self.tp_worker.forward_batch_generation(batch)
 
     # -- maintenance ------------------------------------------------------------------------------------
     def flush_cache(self) -> FlushCacheReqOutput:

@@ -18,7 +18,6 @@ import logging
 import time
 
 from sglang.srt.managers.schedule_batch import ScheduleBatch
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +31,7 @@ class SchedulerMetricsMixin:
         self.last_gen_throughput = 0.0
         self._logged_cached_tokens = 0  # scheduler.num_cached_tokens at the previous prefill line
         # Every rank schedules the same batches: rank 0 speaks for all of them.
-        self._log_stats = self.model_runner.world_group.rank == 0
+        self._log_stats = self.tp_worker.world_group.rank == 0
 
     def get_token_info(self) -> tuple[int, float]:
         """(#tokens held by requests, that / KV capacity)."""
@@ -43,10 +42,7 @@ class SchedulerMetricsMixin:
     def observe_batch(self, batch: ScheduleBatch) -> None:
         if batch.forward_mode.is_extend():
             # A mixed batch lists its decode requests last (one token each, fed their last output).
-            n_decode = 0
-            if batch.forward_mode == ForwardMode.MIXED:
-                n_decode = sum(1 for r, e in zip(batch.reqs, batch.extend_lens) if e == 1 and r.output_ids
-                               and r.kv_committed_len == r.seqlen() - 1)
+            n_decode = len(batch.reqs) - batch.num_extend_reqs
             self.num_generated_tokens += n_decode
             self.log_prefill_stats(batch, len(batch.reqs) - n_decode)
             return
@@ -73,7 +69,7 @@ class SchedulerMetricsMixin:
         if not (self._log_stats and logger.isEnabledFor(logging.INFO)):
             return
         used, usage = self.get_token_info()
-        graph = bool(getattr(self.model_runner, "last_forward_used_graph", False))
+        graph = bool(getattr(self.tp_worker.model_runner, "last_forward_used_graph", False))
         logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, cuda graph: %s, "
                     "gen throughput (token/s): %.2f, #queue-req: %d, ", len(batch.reqs), used, usage, graph,
                     self.last_gen_throughput, len(self.waiting_queue))

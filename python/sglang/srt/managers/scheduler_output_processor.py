@@ -1,10 +1,12 @@
 """The scheduler's third phase: turn a step's results into request state and outputs.
 
-`Scheduler.step()` = get_next_batch_to_run() -> run_batch() -> process_batch_result(). run_batch
-ends with `GenerationBatchResult.from_device(...)`, the step's one device->host copy (the sampled
-ids, plus logprobs when asked); everything here works on host lists. A result may carry several
-tokens per request (speculative verify accepts a run of draft tokens): they are appended in order
-and the request stops at the first finishing one.
+`Scheduler.step()` = get_next_batch_to_run() -> run_batch() (launch) -> process_batch_result().
+The worker queues the step's device->host copies at launch (`BatchOutputCopy`: the sampled ids,
+plus logprobs / hidden states when asked); `to_host()` waits for them and builds the host lists
+everything here works on. A result may carry 0..N tokens per request (a speculative verify accepts
+a run of draft tokens) and says how many of the step's KV rows to commit (`accept_lens`): tokens
+are appended in order, the request stops at the first finishing one, exactly the accepted rows are
+committed and the pages of the rest are freed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 @dataclass
 class GenerationBatchResult:
     next_token_ids: list[list[int]]  # per request: the new tokens of this step, in order
+    # Per request: how many of its rows this step computed are accepted (their KV is committed);
+    # None: all of them (plain workers).
+    accept_lens: list[int] | None = None
     next_token_logprobs: list[list[float]] | None = None
     next_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
     # Input (prompt) logprobs of extend rows, per request: [logprob], [[(val, id)]]
@@ -30,25 +35,8 @@ class GenerationBatchResult:
     # return_hidden_states, per request: (first position, rows) or None (not asked / nothing new)
     hidden_rows: list[tuple[int, list[list[float]]] | None] | None = None
 
-    @classmethod
-    def from_device(cls, batch: ScheduleBatch, fb, logits_output, sample) -> "GenerationBatchResult":
-        """Copy what the host needs (ids; logprobs and hidden states only when a request asked) in a
-        few bulk copies; the hidden-state copy is queued before the ids' read, which waits for both."""
-        hidden = None
-        if fb.capture_hidden_mode == CaptureHiddenMode.FULL and logits_output.hidden_states is not None:
-            hidden = _start_hidden_copy(batch, logits_output.hidden_states)
-        ids = sample.next_token_ids.tolist()
-        res = cls(next_token_ids=[[i] for i in ids])
-        if hidden is not None:
-            host, spans = hidden
-            res.hidden_rows = [None if s is None else (s[0], host[s[1]:s[2]].tolist()) for s in spans]
-        if sample.next_token_logprobs is not None:
-            res.next_token_logprobs = [[v] for v in sample.next_token_logprobs.tolist()]
-            if sample.top_logprobs is not None:
-                res.next_top_logprobs = [[list(zip(v, t))] for v, t in sample.top_logprobs]
-        if fb.return_logprob and fb.forward_mode.is_extend():
-            res._input_logprobs(batch, fb, logits_output)
-        return res
+    def to_host(self) -> "GenerationBatchResult":
+        return self  # already host lists (workers that build results on the host)
 
     def _input_logprobs(self, batch: ScheduleBatch, fb, lo) -> None:
         counts = lo.input_logprob_counts or [0] * len(batch.reqs)
@@ -87,6 +75,52 @@ class GenerationBatchResult:
             off += c
 
 
+def _to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """Queue a device->host copy into pinned memory (a no-op on CPU)."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+class BatchOutputCopy:
+    """A launched step's outputs on their way to the host. The constructor only queues copies
+    (no host sync, so the scheduler can prepare the next step meanwhile); `to_host()` waits for
+    them (`copy_done`) and builds the GenerationBatchResult. Input logprobs, asked rarely, are
+    computed in to_host."""
+
+    def __init__(self, batch: ScheduleBatch, fb, logits_output, sample) -> None:
+        self.batch, self.fb, self.logits_output, self.sample = batch, fb, logits_output, sample
+        self.hidden = None
+        if fb.capture_hidden_mode == CaptureHiddenMode.FULL and logits_output.hidden_states is not None:
+            self.hidden = _start_hidden_copy(batch, logits_output.hidden_states)
+        self.ids = _to_host_async(sample.next_token_ids)
+        self.logprobs = None
+        if sample.next_token_logprobs is not None:
+            self.logprobs = _to_host_async(sample.next_token_logprobs)
+        self.copy_done = None
+        if sample.next_token_ids.device.type == "cuda":
+            self.copy_done = torch.cuda.Event()
+            self.copy_done.record()
+
+    def to_host(self) -> GenerationBatchResult:
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+        batch, fb, sample = self.batch, self.fb, self.sample
+        res = GenerationBatchResult(next_token_ids=[[i] for i in self.ids.tolist()])
+        if self.hidden is not None:
+            host, spans = self.hidden
+            res.hidden_rows = [None if s is None else (s[0], host[s[1]:s[2]].tolist()) for s in spans]
+        if self.logprobs is not None:
+            res.next_token_logprobs = [[v] for v in self.logprobs.tolist()]
+            if sample.top_logprobs is not None:
+                res.next_top_logprobs = [[list(zip(v, t))] for v, t in sample.top_logprobs]
+        if fb.return_logprob and fb.forward_mode.is_extend():
+            res._input_logprobs(batch, fb, self.logits_output)
+        return res
+
+
 def _start_hidden_copy(batch: ScheduleBatch, hidden_states: torch.Tensor):
     """Gather the rows of requests that asked for hidden states and were not returned before (a
     retracted request recomputes positions it already returned) and start their copy to the host.
@@ -108,11 +142,26 @@ class SchedulerOutputProcessorMixin:
     """Result processing of `Scheduler` (kept apart so the scheduler module stays small)."""
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> list[ReqOutput]:
+        """Apply one processed step. Under overlap the next step is already in flight: a request
+        that finished (or was aborted) meanwhile ran one extra row there, whose token is dropped
+        and whose KV is released when that step is processed; a request retracted meanwhile has a
+        stale result here (its epoch changed), which is dropped."""
         outputs: list[ReqOutput] = []
         now = time.monotonic()
         wants_input = bool(result.input_token_logprobs)
         for i, req in enumerate(batch.reqs):
-            req.kv_committed_len = batch.prefix_lens[i] + batch.extend_lens[i]
+            req.inflight -= 1
+            if batch.req_epochs and batch.req_epochs[i] != req.epoch:
+                continue  # retracted after launch: recomputed from its tokens later
+            if req.finished():  # finished while this step ran: its extra row emits nothing
+                if req.inflight == 0 and req.req_pool_idx is not None:
+                    self.release_req(req)
+                continue
+            rows = batch.extend_lens[i]
+            accepted = rows if result.accept_lens is None else result.accept_lens[i]
+            if not 0 <= accepted <= rows:
+                raise RuntimeError(f"worker accepted {accepted} of {rows} rows for request {req.rid}")
+            req.kv_committed_len = batch.prefix_lens[i] + accepted
             if result.hidden_rows is not None and result.hidden_rows[i] is not None:
                 _take_hidden_rows(req, *result.hidden_rows[i])
             if wants_input and req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
@@ -125,21 +174,31 @@ class SchedulerOutputProcessorMixin:
                 self.chunked_req = req
                 continue
             req.is_chunked = False
+            is_prefill = i < batch.num_extend_reqs
             if req.sampling_params.max_new_tokens == 0:
                 # Prefill only (e.g. echo + prompt logprobs): the sampled token is not an output.
                 req.finished_reason = FINISH_LENGTH(0)
-                self.tree_cache.cache_finished_req(req)
+                self.release_req(req)
                 outputs.append(self._make_output(req, []))
                 continue
             new_ids = self._append_tokens(req, i, result)
             if req.first_token_time is None:
                 req.first_token_time = now
-            if req not in self.running and not req.finished():
-                self.running.append(req)
+            # Rows past the tokens a finished request kept hold no token of it.
+            req.kv_committed_len = min(req.kv_committed_len, len(req.fill_ids()))
             if req.finished():
-                if req in self.running:
+                if not is_prefill:
                     self.running.remove(req)
-                self.tree_cache.cache_finished_req(req)
+                if req.inflight == 0:
+                    self.release_req(req)
+            else:
+                if accepted < rows:
+                    if req.inflight:
+                        raise RuntimeError("a step rejected rows while a later step of the request was in "
+                                           "flight: such a worker must not overlap (supports_overlap)")
+                    self.free_uncommitted_kv(req)
+                if is_prefill:
+                    self.on_prefill_finished(req)
             outputs.append(self._make_output(req, new_ids))
         return outputs
 

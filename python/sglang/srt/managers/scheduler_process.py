@@ -35,7 +35,7 @@ IDLE_POLL_MS = 1000
 class SchedulerProcess:
     def __init__(self, scheduler: Scheduler, port_args: PortArgs, tp_rank: int) -> None:
         self.scheduler, self.tp_rank = scheduler, tp_rank
-        self.tp_group = scheduler.model_runner.world_group  # every rank of the server
+        self.tp_group = scheduler.tp_worker.world_group  # every rank of the server
         if tp_rank == 0:
             ctx = zmq.Context(2)
             self.recv_from_tokenizer = get_zmq_socket(ctx, zmq.PULL, port_args.scheduler_input_ipc_name, True)

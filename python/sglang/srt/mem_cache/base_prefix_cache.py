@@ -10,6 +10,14 @@ Rules:
 - `cache_unfinished_req(req)` (chunked prefill) inserts the KV computed so far and moves the
   request's lock to the new, longer prefix.
 - `evict(n)` frees at least `n` tokens of unlocked KV if possible (LRU leaves first).
+
+Lifecycle hooks (no-ops here; a cache with asynchronous work -- HiCache's host backup and
+load-back -- overrides them). The scheduler calls each from exactly one place:
+- `check_events()` once per scheduler iteration: poll finished transfers, ack them, update the tree;
+- `prepare_batch(batch)` before a batch is launched (e.g. reserve host slots, start load-backs);
+- `on_batch_done(batch)` after the batch's results are applied (e.g. commit backups to the tree).
+A match may hit KV that lives only on the host: `MatchResult.host_hit_length` tokens past the
+device hit, ending at `last_host_node`.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import torch
 class MatchResult:
     device_indices: torch.Tensor  # int64 KV slots of the matched prefix
     last_node: Any
+    host_hit_length: int = 0  # tokens past the device hit whose KV is on the host (HiCache)
+    last_host_node: Any = None
 
 
 class BasePrefixCache(ABC):
@@ -45,6 +55,16 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def dec_lock_ref(self, node) -> None: ...
+
+    # -- lifecycle hooks (see the module docstring) ---------------------------------------------------
+    def check_events(self) -> None:
+        pass
+
+    def prepare_batch(self, batch) -> None:
+        pass
+
+    def on_batch_done(self, batch) -> None:
+        pass
 
     def evictable_size(self) -> int:
         return 0

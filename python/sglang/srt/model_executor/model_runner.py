@@ -1,5 +1,10 @@
-"""ModelRunner: owns the model, the KV pools, the attention backend and the decode CUDA graphs;
-runs one forward."""
+"""ModelRunner: owns the model, its KV pool, the attention backend and the decode CUDA graphs;
+runs one forward.
+
+Memory is planned once for everything that holds KV: a runner either plans it (the target: its own
+bytes per token plus `extra_kv_bytes_per_token` of runners that will share its request slots, e.g. a
+draft model) and creates the `ReqToTokenPool` + allocator, or receives them (a draft runner, with
+the planned `max_total_num_tokens`) and sizes only its own KV pool to match."""
 
 from __future__ import annotations
 
@@ -31,7 +36,9 @@ CPU_KV_MEMORY_FRACTION = 0.25
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs,
-                 tp_group: GroupCoordinator = SINGLE_GROUP) -> None:
+                 tp_group: GroupCoordinator = SINGLE_GROUP, *, req_to_token_pool: ReqToTokenPool | None = None,
+                 token_to_kv_pool_allocator=None, max_total_num_tokens: int | None = None,
+                 extra_kv_bytes_per_token: int = 0) -> None:
         """`tp_group`: all ranks of this server. Under context parallel (CP) attention runs CP over
         them with replicated weights, so the model's TP group is a single rank."""
         sa = server_args
@@ -48,7 +55,8 @@ class ModelRunner:
         self.model = get_model(model_config, self.device, self.tp_group, sa.load_format, **parallel)
         set_moe_runner_backend(self.model, sa.moe_runner_backend)
         self.sampler = Sampler()
-        self.init_memory_pool()
+        self.init_memory_pool(req_to_token_pool, token_to_kv_pool_allocator, max_total_num_tokens,
+                              extra_kv_bytes_per_token)
         self.attn_backend = create_hybrid_backend(sa.nsa_prefill_backend, sa.nsa_decode_backend, self)
         if self.cp_group is not None:
             from sglang.srt.layers.attention.nsa.cp_backend import CommCounter, NSAContextParallelBackend
@@ -82,8 +90,8 @@ class ModelRunner:
         probe = self._make_kv_pool(self.page_size)
         return probe.kv_bytes_per_token()
 
-    def profile_max_num_tokens(self) -> int:
-        per_token = self._bytes_per_token()
+    def profile_max_num_tokens(self, extra_bytes_per_token: int = 0) -> int:
+        per_token = self._bytes_per_token() + extra_bytes_per_token
         if self.device == "cuda":
             free, total = torch.cuda.mem_get_info()
             budget = free - total * (1 - self.server_args.mem_fraction_static)
@@ -93,11 +101,21 @@ class ModelRunner:
         budget = min(psutil.virtual_memory().available * CPU_KV_MEMORY_FRACTION, CPU_KV_BUDGET_BYTES)
         return int(budget // per_token)
 
-    def init_memory_pool(self) -> None:
+    def init_memory_pool(self, req_to_token_pool: ReqToTokenPool | None = None, token_to_kv_pool_allocator=None,
+                         max_total_num_tokens: int | None = None, extra_kv_bytes_per_token: int = 0) -> None:
         sa, mc = self.server_args, self.model_config
         cp = self.cp_group.world_size if self.cp_group is not None else 1
+        if req_to_token_pool is not None:  # a runner sharing another runner's slots (a draft)
+            if token_to_kv_pool_allocator is None or max_total_num_tokens is None:
+                raise ValueError("a shared ReqToTokenPool needs its allocator and max_total_num_tokens")
+            self.max_total_num_tokens = max_total_num_tokens
+            self.max_running_requests = req_to_token_pool.size - 1
+            self.req_to_token_pool = req_to_token_pool
+            self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+            self.token_to_kv_pool = self._make_kv_pool(max_total_num_tokens // cp)
+            return
         # Under CP the capacity is logical (the server's): each rank stores 1/cp of the pages.
-        tokens = sa.max_total_tokens or self.profile_max_num_tokens() * cp
+        tokens = sa.max_total_tokens or self.profile_max_num_tokens(extra_kv_bytes_per_token) * cp
         tokens = tokens // (self.page_size * cp) * self.page_size * cp
         if tokens < self.page_size * cp:
             raise RuntimeError(f"KV cache too small: {tokens} tokens")

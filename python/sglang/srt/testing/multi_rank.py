@@ -83,14 +83,14 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
         drain()
         out.clear()
         step_s.clear()
-        if getattr(sched.model_runner, "cp_counter", None) is not None:
-            sched.model_runner.cp_counter.elements.clear()
+        if getattr(sched.tp_worker.model_runner, "cp_counter", None) is not None:
+            sched.tp_worker.model_runner.cp_counter.elements.clear()
     submit(case.prompts, "p")
     drain()
     if case.followups:
         submit(case.followups, "f")
         drain()
-    mr = sched.model_runner
+    mr = sched.tp_worker.model_runner
     out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s, "comm": dict(getattr(mr, "cp_counter", None).elements)
                      if getattr(mr, "cp_counter", None) else {},
                      "pool_slots": mr.token_to_kv_pool.size, "capacity": sched.max_total_num_tokens,

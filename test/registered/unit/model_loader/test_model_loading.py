@@ -122,7 +122,7 @@ def _prompts() -> list[list[int]]:
 
 def _prefill_all_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tensor:
     """One batched extend of every prompt through the model runner; logits of every position."""
-    return torch.cat(prefill_all_logits(engine.scheduler.model_runner, prompts)).float()
+    return torch.cat(prefill_all_logits(engine.scheduler.tp_worker.model_runner, prompts)).float()
 
 
 def _logits(ckpt: Path, dtype: str = "float32") -> torch.Tensor:
@@ -473,7 +473,7 @@ _FP32_ISLANDS = ("indexer.weights_proj.weight", "e_score_correction_bias")
 def test_bf16_load_of_fp32_checkpoint(base_ckpt, base_logits, arch):
     ckpt = base_ckpt(arch)
     engine = Engine(model_path=str(ckpt), dtype="bfloat16", device="cpu", max_total_tokens=4096, random_seed=0)
-    model = engine.scheduler.model_runner.model
+    model = engine.scheduler.tp_worker.model_runner.model
     seen_fp32 = set()
     for name, p in model.named_parameters():
         if name.endswith(_FP32_ISLANDS):

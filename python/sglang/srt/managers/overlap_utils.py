@@ -1,0 +1,86 @@
+"""Overlap scheduling pieces: the device-resident token table and the batch launchers.
+
+Overlap (upstream's default; `--disable-overlap-schedule` turns it off) prepares and launches step
+n+1 while step n is still running, and processes step n's results afterwards. Two things make that
+possible without a device->host round trip between steps:
+
+- `LastTokenTable`: the last sampled token of every request slot, on the device. The scheduler
+  writes `FUTURE_TOKEN` (-1) for an input id it does not know yet (a decode row's previous token);
+  the worker resolves those on the device (`resolve`) right before the forward and stores the newly
+  sampled ids (`store`) right after sampling. Both are stream-ordered (or, on a CPU worker thread,
+  ordered by the single thread), so step n+1 reads what step n wrote.
+- A launcher: `InlineLauncher` runs the forward on the caller's thread (CUDA: kernels are queued
+  asynchronously and `result()` waits for the step's copy-done event; CPU with several ranks:
+  collectives must stay on one thread); `ThreadLauncher` runs it on one worker thread, so the CPU
+  exercises the same overlapped loop as a GPU.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Generic, TypeVar
+
+import torch
+
+FUTURE_TOKEN = -1  # an input id the device fills in from LastTokenTable
+
+T = TypeVar("T")
+
+
+class LastTokenTable:
+    """`table[req_pool_idx]` = that request's last sampled token (device, int64)."""
+
+    def __init__(self, num_req_slots: int, device: str) -> None:
+        # +1: the padding request slot of CUDA-graph padding rows
+        self.table = torch.zeros(num_req_slots + 1, dtype=torch.int64, device=device)
+
+    def resolve(self, input_ids: torch.Tensor, token_req_slots: torch.Tensor) -> torch.Tensor:
+        """input_ids with each FUTURE_TOKEN replaced by its request's last token (no host sync)."""
+        return torch.where(input_ids == FUTURE_TOKEN, self.table[token_req_slots], input_ids)
+
+    def store(self, req_pool_indices: torch.Tensor, next_token_ids: torch.Tensor) -> None:
+        self.table[req_pool_indices] = next_token_ids.to(self.table.dtype)
+
+
+class Pending(Generic[T]):
+    """A launched step; `result()` returns what the launched function returned."""
+
+    def __init__(self, value: T | None = None, future: Future | None = None) -> None:
+        self._value, self._future = value, future
+
+    def result(self) -> T:
+        if self._future is not None:
+            self._value, self._future = self._future.result(), None
+        return self._value
+
+
+class InlineLauncher:
+    """Runs the step now, on this thread."""
+
+    def launch(self, fn: Callable[[], T]) -> Pending[T]:
+        return Pending(value=fn())
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ThreadLauncher:
+    """Runs steps on one worker thread, in launch order (the CPU's stand-in for a CUDA stream)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-forward")
+
+    def launch(self, fn: Callable[[], T]) -> Pending[T]:
+        return Pending(future=self._pool.submit(fn))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def make_launcher(device: str, world_size: int, overlap: bool) -> InlineLauncher | ThreadLauncher:
+    """A worker thread only where it adds overlap and is safe: one CPU rank. On CUDA the device
+    queue gives the overlap; with several CPU ranks every collective must be issued from the
+    scheduler's thread (control messages and model collectives share the process groups)."""
+    if overlap and torch.device(device).type == "cpu" and world_size == 1:
+        return ThreadLauncher()
+    return InlineLauncher()

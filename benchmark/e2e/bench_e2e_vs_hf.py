@@ -7,6 +7,10 @@ its own process, one after the other, so both fit. Metrics, as transformers' own
 them: generate throughput (batch x new tokens / wall time incl. prefill; prompt 256 tokens, greedy),
 the marginal decode step ((time for 64 new tokens - time for 32) / 32), our engine's median decode
 step, and single-prompt prefill throughput. Medians of --repeats. JSON + a plot + a table.
+Our engine runs twice, with the overlap scheduler (default) and with --disable-overlap-schedule
+("ours_sync"), so the overlap ratio is measured side by side in the same run. The median decode
+step is the wall time of one scheduler iteration with no device sync between iterations (a sync
+would serialise the overlap it measures).
 
     python benchmark/e2e/bench_e2e_vs_hf.py --shape deepseek-v32 --layers 3 --out-dir /tmp/out
     python benchmark/e2e/bench_e2e_vs_hf.py --smoke          # tiny shapes on CPU: exercises the script
@@ -57,7 +61,7 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def run_ours(args, path: str) -> dict:
+def run_ours(args, path: str, overlap: bool = True) -> dict:
     from sglang.srt.entrypoints.engine import Engine
 
     max_bs = max(args.batch_sizes)
@@ -65,7 +69,7 @@ def run_ours(args, path: str) -> dict:
     engine = Engine(model_path=path, tokenizer_path=path, load_format="dummy", dtype=args.dtype, device=args.device,
                     context_length=ctx, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
                     disable_radix_cache=True, chunked_prefill_size=-1, max_prefill_tokens=max(ctx, 16384),
-                    random_seed=0)
+                    random_seed=0, disable_overlap_schedule=not overlap)
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -83,16 +87,16 @@ def run_ours(args, path: str) -> dict:
         prompts = torch.randint(5, vocab, (bs, args.prompt_len), generator=g).tolist()
         for p in prompts:
             engine._submit(None, p, {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}, False, -1, 0)
-        while sched.waiting_queue:
+        while sched.waiting_queue or not sched.running:
             sched.step()
+        _sync(args.device)
         steps = []
         while sched.has_work():
-            _sync(args.device)
             t0 = time.perf_counter()
             sched.step()
-            _sync(args.device)
             steps.append(time.perf_counter() - t0)
-        return _median(steps[2:] or steps)
+        _sync(args.device)
+        return _median(steps[2:-2] or steps)
 
     def prefill(n: int) -> float:
         ids = torch.randint(5, vocab, (n,), generator=g).tolist()
@@ -172,7 +176,9 @@ def plot(result: dict, path: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     bss = sorted(int(b) for b in result["ours"]["generate"])
-    for side, color in (("ours", "#2b7bba"), ("hf", "#999999")):
+    for side, color in (("ours", "#2b7bba"), ("ours_sync", "#8fbce6"), ("hf", "#999999")):
+        if side not in result:
+            continue
         axes[0].plot(bss, [result[side]["generate"][str(b) if str(b) in result[side]["generate"] else b]["tok_s"]
                            for b in bss], "o-", color=color, label=side)
     axes[0].set_xscale("log", base=2)
@@ -204,7 +210,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--sides", default="ours,hf")
+    p.add_argument("--sides", default="ours,ours_sync,hf")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not speed)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--side", help=argparse.SUPPRESS)
@@ -218,7 +224,7 @@ def main() -> None:
     args.gen_lens = [int(x) for x in str(args.gen_lens).split(",")]
     args.prefill_lens = [int(x) for x in str(args.prefill_lens).split(",")]
     if args.side:  # child: one side, JSON on stdout
-        res = run_ours(args, args.path) if args.side == "ours" else run_hf(args, args.path)
+        res = run_hf(args, args.path) if args.side == "hf" else run_ours(args, args.path, args.side == "ours")
         print("RESULT " + json.dumps(res))
         return
     path = make_config_dir(args.shape, args.layers, args.smoke)
@@ -244,7 +250,12 @@ def main() -> None:
             hf = result["hf"]["prefill"].get(n)
             if row and hf:
                 ratios[f"prefill_{n}"] = row["tok_s"] / hf["tok_s"]
-        result["ratios"] = ratios
+    if "ours_sync" in result and "ours" in result:
+        for bs, row in result["ours"]["generate"].items():
+            sync = result["ours_sync"]["generate"][bs]
+            ratios[f"overlap_generate_bs{bs}"] = row["tok_s"] / sync["tok_s"]
+            ratios[f"overlap_step_bs{bs}"] = sync["median_step_ms"] / row["median_step_ms"]
+    result["ratios"] = ratios
     os.makedirs(args.out_dir, exist_ok=True)
     stem = os.path.join(args.out_dir, f"e2e_{args.shape}_{args.layers}l" + ("_smoke" if args.smoke else ""))
     with open(stem + ".json", "w") as f:
@@ -258,6 +269,11 @@ def main() -> None:
               f"{ratios.get(f'generate_bs{bs}', float('nan')):7.2f}")
         print(f"{'  marginal step ms':28s} {row['marginal_step_ms']:12.2f} {hf.get('marginal_step_ms', float('nan')):14.2f}"
               f"   median step {row.get('median_step_ms', float('nan')):.2f} ms")
+        if "ours_sync" in result:
+            sync = result["ours_sync"]["generate"][bs]
+            print(f"{'  overlap off: median step':28s} {sync['median_step_ms']:12.2f} ms, {sync['tok_s']:.1f} tok/s"
+                  f"   overlap speedup {ratios[f'overlap_step_bs{bs}']:.2f}x step, "
+                  f"{ratios[f'overlap_generate_bs{bs}']:.2f}x generate")
     for n, row in result["ours"]["prefill"].items():
         hf = (result.get("hf", {}).get("prefill", {}) or {}).get(n) or {}
         print(f"{'prefill ' + str(n) + ' tok/s':28s} {row['tok_s']:12.0f} {hf.get('tok_s', float('nan')):14.0f} "

@@ -119,3 +119,43 @@ def test_nextn_gating_reuses_given_topk_only_when_sharing(tmp_path):
     assert layer_index_role(shared, 0, is_nextn=True).skip_topk
     assert not layer_index_role(full, 0, is_nextn=True).skip_topk
     assert layer_index_role(full, 0, is_nextn=True).has_indexer
+
+
+def test_draft_runner_shares_request_slots_and_is_planned_with_the_target(tmp_path):
+    """Issue 18 item 1: memory is planned once for every runner that holds KV, and a draft runner
+    takes the target's ReqToTokenPool + allocator (same slots, its own KV pool of the same size)."""
+    from sglang.srt.model_executor.model_runner import kv_bytes_per_token
+
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), arch="deepseek_v32", num_hidden_layers=LAYERS)
+    _add_mtp_layer(path, with_head=True)
+    sa = ServerArgs(model_path=path, dtype="float32", device="cpu", nsa_index_k_dtype="float32").resolve()
+    draft_mc = ModelConfig(path, "float32", is_draft_model=True)
+    target_mc = ModelConfig(path, "float32")
+    draft_bytes = kv_bytes_per_token(draft_mc, sa)
+    alone = ModelRunner(target_mc, sa)
+    target = ModelRunner(target_mc, sa, extra_kv_bytes_per_token=draft_bytes)
+    target_bytes = target.token_to_kv_pool.kv_bytes_per_token()
+    # one budget: the target alone gets more tokens than target + draft together
+    assert target.max_total_num_tokens < alone.max_total_num_tokens
+    budget = alone.max_total_num_tokens * target_bytes
+    assert abs(target.max_total_num_tokens * (target_bytes + draft_bytes) - budget) <= (target_bytes + draft_bytes) * 2
+    del alone
+    draft = ModelRunner(draft_mc, sa, req_to_token_pool=target.req_to_token_pool,
+                        token_to_kv_pool_allocator=target.token_to_kv_pool_allocator,
+                        max_total_num_tokens=target.max_total_num_tokens)
+    assert draft.req_to_token_pool is target.req_to_token_pool
+    assert draft.token_to_kv_pool_allocator is target.token_to_kv_pool_allocator
+    assert draft.token_to_kv_pool is not target.token_to_kv_pool
+    assert draft.token_to_kv_pool.size == target.token_to_kv_pool.size
+    assert draft.token_to_kv_pool.kv_bytes_per_token() == draft_bytes
+    # a slot the shared allocator hands out is written by the draft in its own pool only
+    slot = target.req_to_token_pool.alloc(1)
+    loc = target.token_to_kv_pool_allocator.alloc(8)
+    target.req_to_token_pool.write(slot[0], 0, loc)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, list(range(5, 13)), slot, [0], [8], loc,
+                            spec_hidden_states=torch.randn(8, 128))
+    draft.forward(fb)
+    assert draft.token_to_kv_pool.kv_buffer[0][loc].abs().sum() > 0
+    assert all(target.token_to_kv_pool.kv_buffer[i][loc].abs().sum() == 0 for i in range(LAYERS))
+    with pytest.raises(ValueError, match="allocator and max_total_num_tokens"):
+        ModelRunner(draft_mc, sa, req_to_token_pool=target.req_to_token_pool)

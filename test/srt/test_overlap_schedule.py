@@ -159,3 +159,45 @@ def test_abort_in_flight_emits_nothing_more_and_frees_kv():
     assert sum(len(o.new_token_ids) for o in seen["dec"]) < 30
     assert sched.kv_leak_report() is None
     assert sched.allocator.available_size() + sched.tree_cache.total_size() == free0
+
+
+def test_prefix_cache_lifecycle_hooks():
+    """check_events once per scheduler iteration, prepare_batch once per launch (before the worker
+    runs it), on_batch_done once per batch after its results are applied, in launch order."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    for overlap in (True, False):
+        sched = _engine(overlap).scheduler
+        log, keep = [], []
+
+        class Recording(RadixCache):
+            def check_events(self):
+                log.append(("events",))
+
+            def prepare_batch(self, batch):
+                keep.append(batch)  # ids stay unique
+                log.append(("prepare", id(batch)))
+
+            def on_batch_done(self, batch):
+                assert all(r.inflight >= 0 for r in batch.reqs)
+                log.append(("done", id(batch)))
+
+        sched.tree_cache = Recording(sched.req_to_token_pool, sched.allocator, sched.page_size)
+        launch = sched.tp_worker.forward_batch_generation
+        sched.tp_worker.forward_batch_generation = lambda b: (log.append(("launch", id(b))), launch(b))[1]
+        _submit(sched, "a", _prompts(2)[0], 5)
+        _submit(sched, "b", _prompts(2)[1], 3)
+        iterations = 0
+        while sched.has_work():
+            sched.step()
+            iterations += 1
+        assert sum(e == ("events",) for e in log) == iterations
+        prepared = [e[1] for e in log if e[0] == "prepare"]
+        launched = [e[1] for e in log if e[0] == "launch"]
+        done = [e[1] for e in log if e[0] == "done"]
+        assert prepared == launched == done and len(set(done)) == len(done)
+        for b in launched:  # prepare right before its launch, done after it
+            assert log.index(("prepare", b)) + 1 == log.index(("launch", b)) < log.index(("done", b))
+        overlapped = any(log.index(("launch", b2)) < log.index(("done", b1)) for b1, b2 in zip(launched, launched[1:]))
+        assert overlapped == overlap
+        assert sched.kv_leak_report() is None

@@ -15,9 +15,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Question: 3 + 4 = ?
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess(MODEL, *ARGS) as s:
+@pytest.fixture(scope="module", params=["overlap", "sync"])
+def server(request):
+    """Every case runs against the overlap scheduler (the default) and --disable-overlap-schedule."""
+    extra = ["--disable-overlap-schedule"] if request.param == "sync" else []
+    with ServerProcess(MODEL, *ARGS, *extra) as s:
         yield s
 
 

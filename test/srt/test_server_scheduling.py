@@ -23,9 +23,11 @@ def _kv_whole(server: ServerProcess) -> dict:
     return st
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess(MODEL, "--max-total-tokens", str(CAPACITY), "--random-seed", "0") as s:
+@pytest.fixture(scope="module", params=["overlap", "sync"])
+def server(request):
+    """Every case runs against the overlap scheduler (the default) and --disable-overlap-schedule."""
+    extra = ["--disable-overlap-schedule"] if request.param == "sync" else []
+    with ServerProcess(MODEL, "--max-total-tokens", str(CAPACITY), "--random-seed", "0", *extra) as s:
         yield s
 
 

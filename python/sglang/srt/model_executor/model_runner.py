@@ -34,6 +34,23 @@ CPU_KV_BUDGET_BYTES = 256 * 2**20
 CPU_KV_MEMORY_FRACTION = 0.25
 
 
+def make_kv_pool(model_config: ModelConfig, server_args: ServerArgs, size: int):
+    """The device KV pool a model of this config needs, holding `size` tokens."""
+    mc = model_config
+    common = dict(size=size, page_size=server_args.page_size, dtype=mc.dtype, kv_lora_rank=mc.kv_lora_rank,
+                  qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=mc.num_kv_layers, device=server_args.device)
+    if mc.is_dsa:
+        return NSATokenToKVPool(index_head_dim=mc.index_head_dim, index_k_dtype=server_args.nsa_index_k_dtype,
+                                index_layer_ids=mc.kv_index_layer_ids, **common)
+    return MLATokenToKVPool(**common)
+
+
+def kv_bytes_per_token(model_config: ModelConfig, server_args: ServerArgs) -> int:
+    """KV bytes one token takes in that model's pool (what the memory plan divides by); no model
+    needs to be loaded, so a worker can plan for a draft before building it."""
+    return make_kv_pool(model_config, server_args, server_args.page_size).kv_bytes_per_token()
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs,
                  tp_group: GroupCoordinator = SINGLE_GROUP, *, req_to_token_pool: ReqToTokenPool | None = None,
@@ -78,17 +95,10 @@ class ModelRunner:
 
     # -- memory ---------------------------------------------------------------------------------
     def _make_kv_pool(self, size: int):
-        mc = self.model_config
-        common = dict(size=size, page_size=self.page_size, dtype=mc.dtype, kv_lora_rank=mc.kv_lora_rank,
-                      qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=mc.num_kv_layers, device=self.device)
-        if mc.is_dsa:
-            return NSATokenToKVPool(index_head_dim=mc.index_head_dim, index_k_dtype=self.server_args.nsa_index_k_dtype,
-                                    index_layer_ids=mc.kv_index_layer_ids, **common)
-        return MLATokenToKVPool(**common)
+        return make_kv_pool(self.model_config, self.server_args, size)
 
     def _bytes_per_token(self) -> int:
-        probe = self._make_kv_pool(self.page_size)
-        return probe.kv_bytes_per_token()
+        return kv_bytes_per_token(self.model_config, self.server_args)
 
     def profile_max_num_tokens(self, extra_bytes_per_token: int = 0) -> int:
         per_token = self._bytes_per_token() + extra_bytes_per_token

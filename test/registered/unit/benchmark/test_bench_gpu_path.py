@@ -33,7 +33,8 @@ def test_e2e_bench_smoke(tmp_path):
     out = _run([str(_ROOT / "benchmark/e2e/bench_e2e_vs_hf.py"), "--smoke", "--out-dir", str(tmp_path)]).stdout
     result = json.loads((tmp_path / "e2e_deepseek-v32_3l_smoke.json").read_text())
     assert set(result["ours"]["generate"]) == set(result["hf"]["generate"]) == {"1", "2"}
-    assert {"generate_bs1", "generate_bs2", "prefill_64"} <= set(result["ratios"])
+    assert {"generate_bs1", "generate_bs2", "prefill_64", "overlap_step_bs1", "overlap_generate_bs2"} <= set(result["ratios"])
+    assert "median_step_ms" in result["ours_sync"]["generate"]["2"] and "overlap speedup" in out
     assert "median_step_ms" in result["ours"]["generate"]["1"] and "generate bs 2 tok/s" in out
     assert (tmp_path / "e2e_deepseek-v32_3l_smoke.png").stat().st_size > 0
 

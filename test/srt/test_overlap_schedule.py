@@ -10,6 +10,7 @@ finished or aborted request never emits the extra token computed for it; nothing
 
 import json
 import os
+import random
 
 import pytest
 
@@ -90,6 +91,17 @@ def test_overlap_equals_sync(case):
             ha, hb = a["meta_info"]["hidden_states"], b["meta_info"]["hidden_states"]
             assert len(ha) == len(hb) and all(
                 abs(x - y) < 1e-5 for ra, rb in zip(ha[1:], hb[1:]) for x, y in zip(ra, rb))
+
+
+def test_chunked_prompts_under_memory_pressure():
+    """Several prompts longer than a chunk, little KV: only one request may be chunked at a time
+    (a second chunk started while the first one's chunk was in flight used to overwrite it, and
+    that request was never finished)."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 1024) for _ in range(rng.randrange(3, 120))] for _ in range(8)]
+    ov, sync = _both(dict(chunked_prefill_size=16, max_total_tokens=256, page_size=4), prompts,
+                     {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})
+    assert [_key(o) for o in ov] == [_key(o) for o in sync]
 
 
 def test_grammar_requests_equal_sync():

@@ -193,8 +193,11 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
 
     def _can_prepare_while_in_flight(self) -> bool:
         """The next step may be built before the in-flight step's results are applied unless a
-        request that will run next needs those results on the host to be sampled."""
-        return self._overlap_active() and not any(r.needs_host_sampling_state() for r in self.running)
+        request that will run next needs those results on the host to be sampled, or a prefill
+        chunk is in flight (its request continues next, and only one request is chunked at a time)."""
+        if not self._overlap_active() or any(r.is_chunked for r in self.in_flight[0].reqs):
+            return False
+        return not any(r.needs_host_sampling_state() for r in self.running)
 
     def _process_in_flight(self) -> list[ReqOutput]:
         batch, pending = self.in_flight

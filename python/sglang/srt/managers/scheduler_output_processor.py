@@ -170,6 +170,8 @@ class SchedulerOutputProcessorMixin:
                 req.input_token_logprobs += result.input_token_logprobs[i]
                 req.input_top_logprobs += result.input_top_logprobs[i]
             if req.is_chunked and len(req.fill_ids()) > req.kv_committed_len:
+                if self.chunked_req is not None and self.chunked_req is not req:
+                    raise RuntimeError(f"two chunked requests at once ({self.chunked_req.rid}, {req.rid})")
                 self.tree_cache.cache_unfinished_req(req)
                 self.chunked_req = req
                 continue

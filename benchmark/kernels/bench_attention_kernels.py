@@ -115,7 +115,7 @@ def bench_indexer(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
     from sgl_kernel.topk import fast_topk, fast_topk_ref
     from sglang.srt.layers.attention.nsa.nsa_indexer import fold_fp8_query
     from sglang.srt.layers.attention.nsa.nsa_indexer import index_scores as scores_ref
-    from sglang.srt.layers.attention.nsa.quant import fp8_round_trip
+    from sglang.srt.mem_cache.index_k_format import fp8_round_trip
     from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
     ih, k_top = (16, 16) if smoke else (IH, K_TOP)

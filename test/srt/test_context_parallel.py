@@ -116,6 +116,10 @@ def test_padding_garbage_and_gathers_and_ep(model_paths):
     ref = _reference(cases[0])
     _assert_same(got["poison"], ref, "poison")
     assert got["poison"]["_stats"]["comm"]["poisoned_rows"] > 0  # the garbage really was there
+    # layer-end hooks run on each rank's own pool, once per layer per forward (not per CP view)
+    n_layers = json.load(open(os.path.join(key, "config.json")))["num_hidden_layers"]
+    ends = got["poison"]["_stats"]["layer_ends"]
+    assert ends and ends == list(range(n_layers)) * (len(ends) // n_layers)
     _assert_same(got["ep"], ref, "ep")
     assert got["ep"]["_stats"]["dispatched"] > 0
     assert got["narrow"]["_stats"]["comm"]["narrow_gather"] == 2 * len(prompts) * hidden

@@ -83,9 +83,9 @@ def test_pattern_matches_transformers(ckpt):
 def test_flag_on_a_full_checkpoint_matches_transformers(ckpt, monkeypatch):
     """A checkpoint with indexer weights on every layer, shared via the server flag: the unused
     indexer weights are ignored; the reference gets the same indexer_types."""
-    from sglang.srt.layers.attention.nsa import utils as nsa_utils
+    from sglang.srt.debug import checks as debug_checks
 
-    monkeypatch.setattr(nsa_utils, "DEBUG_CHECKS", True)  # shared layers validate inherited top-k
+    monkeypatch.setattr(debug_checks, "DEBUG_CHECKS", True)  # shared layers validate inherited top-k
     path = ckpt()
     engine = _engine(path, nsa_index_topk_freq=4, nsa_index_topk_offset=3)
     types = engine.model_config.index_layer_schedule.indexer_types()

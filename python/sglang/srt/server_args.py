@@ -23,11 +23,11 @@ LOAD_FORMATS = ["auto", "safetensors", "dummy"]
 # Choices that name code live beside that code (import-light modules), so they cannot drift.
 from sglang.srt.layers.attention.attention_registry import (  # noqa: E402
     CP_MODE_ALIASES,
-    CP_MODES,
-    INDEX_K_DTYPE_NAMES,
     MLA_PATHS,
     NSA_BACKEND_CHOICES,
 )
+from sglang.srt.mem_cache.cp_page_map import CP_MODES  # noqa: E402
+from sglang.srt.mem_cache.index_k_format import INDEX_K_DTYPE_NAMES  # noqa: E402
 from sglang.srt.layers.moe import MOE_RUNNER_BACKENDS  # noqa: E402
 from sglang.srt.constrained import GRAMMAR_BACKENDS  # noqa: E402
 

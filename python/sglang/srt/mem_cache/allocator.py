@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang.srt.mem_cache.cp_page_map import new_page_owner, page_owner, split_request
 from sglang.srt.utils.common import cdiv
 
 
@@ -132,7 +133,7 @@ def TokenToKVPoolAllocator(size: int, device: str = "cpu") -> PagedTokenToKVPool
 
 
 class CPPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
-    """Logical KV pages for context parallel with shared KV (see nsa.utils for the page map).
+    """Logical KV pages for context parallel with shared KV (the page map: mem_cache.cp_page_map).
 
     The scheduler is identical on every CP rank, so this allocator is too: it hands out logical
     pages whose owner (`page_owner`) is the rank the CP split assigns to compute them, so a page
@@ -148,9 +149,7 @@ class CPPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def clear(self) -> None:
         super().clear()
-        from sglang.srt.layers.attention.nsa.utils import page_owner
-
-        owners = torch.tensor([page_owner(p, self.cp_size) for p in range(1, self.num_pages + 1)])
+        owners = page_owner(torch.arange(1, self.num_pages + 1), self.cp_size)
         self.free_by_owner = [self.free_pages[owners == o] for o in range(self.cp_size)]
 
     def available_size(self) -> int:
@@ -189,8 +188,9 @@ class CPPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         before = self._is_free.clone()
         super().free(indices)  # checks, marks free, appends to free_pages (unused here)
         pages = torch.nonzero(self._is_free & ~before).flatten()  # host bookkeeping, not the forward
+        owners = page_owner(pages, self.cp_size)
         for o in range(self.cp_size):
-            mine = pages[(pages - 1) % self.cp_size == o]  # page_owner(p) == o
+            mine = pages[owners == o]
             if len(mine):
                 self.free_by_owner[o] = torch.cat([self.free_by_owner[o], mine])
         self.free_pages = self.free_pages[:0]
@@ -199,8 +199,6 @@ class CPPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         return self.alloc_extend([0], [need_size], [-1])
 
     def alloc_extend(self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
-        from sglang.srt.layers.attention.nsa.utils import page_owner, split_request
-
         p = self.page_size
         self._check_extend(prefix_lens, seq_lens, last_locs)
         owners = []
@@ -211,8 +209,6 @@ class CPPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         return None if pages is None else self._extend_slots(prefix_lens, seq_lens, last_locs, pages)
 
     def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
-        from sglang.srt.layers.attention.nsa.utils import new_page_owner
-
         if len(seq_lens) != len(last_locs):
             raise ValueError("alloc_decode needs one seq_len and last_loc per request")
         p = self.page_size

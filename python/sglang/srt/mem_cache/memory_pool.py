@@ -8,26 +8,28 @@ Layouts (per layer):
   FP8 only, the tokens' fp32 scales (one per 128 values). With D = 128 and FP8 this is upstream's
   [num_pages, page_size * (128 + 4)], so HiCache and transfers can move index K page by page.
 Slot 0..page_size-1 (page 0) is the padding page: padded tokens write there.
+
+What other parts need to know about the layout they ask the pool (`layout()`, `page_payloads()`),
+never recompute: HiCache host mirrors and PD transfers move exactly a layer's page payloads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-
+import dataclasses
 from abc import ABC, abstractmethod
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
 
 import torch
 
-from sglang.srt.layers.attention.attention_registry import INDEX_K_DTYPE_NAMES
-from sglang.srt.layers.attention.nsa.quant import (
+from sglang.srt.mem_cache.index_k_format import (
+    INDEX_K_DTYPES,
     dequantize_fp8_per_block,
     num_scale_blocks,
     quantize_fp8_per_block,
 )
-
-# index-K dtype names (the --nsa-index-k-dtype choices) -> storage dtype; None = FP8 + scales.
-INDEX_K_DTYPES = dict(zip(INDEX_K_DTYPE_NAMES, (None, torch.bfloat16, torch.float32)))
 
 
 class ReqToTokenPool:
@@ -127,6 +129,33 @@ class LayerTransferCounter(Protocol):
     def wait_until(self, layer_id: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class KVPoolLayout:
+    """What a KV pool stores, for the parts that mirror or move it (HiCache, PD, KV trace)."""
+
+    layer_num: int
+    kv_cache_dim: int  # kv_lora_rank + qk_rope_head_dim
+    dtype: torch.dtype  # of the MLA KV
+    page_size: int
+    num_pages: int  # usable pages (page 0, the padding page, not counted)
+    kv_row_bytes: int  # MLA KV bytes of one token in one layer
+    index_k_bytes_per_page: int  # index K (+ FP8 scales) bytes of one page in one layer; 0 for MLA
+    index_layer_ids: tuple[int, ...]  # layers holding index K (IndexCache "full" layers); () for MLA
+
+    @property
+    def kv_bytes_per_page(self) -> int:
+        return self.kv_row_bytes * self.page_size
+
+
+@dataclass(frozen=True)
+class PagePayload:
+    """One page-granular buffer of a layer: `buffer` is a [num_pages + 1, per-page] view of the
+    pool's storage (row p = page p), so `buffer[pages]` reads and `buffer[pages] = x` writes them."""
+
+    name: str  # "kv" (MLA latent + rope), "index_k" (DSA indexer K + scales, raw bytes)
+    buffer: torch.Tensor
+
+
 class KVCache(ABC):
     """Base of the device KV pools.
 
@@ -134,9 +163,19 @@ class KVCache(ABC):
     the raw buffers handed to kernels included. That single hook is where a layer-wise host load
     (HiCache) blocks until the layer has arrived; an accessor that skips it reads stale KV (upstream
     forgot it for the index K and shipped garbled output). Tests enumerate the accessors and check.
+
+    Layer-end hooks: the model calls `on_layer_end(layer_id)` on the pool of its forward batch
+    (the rank's own pool under CP, the draft pool for the NextN layer) once after every layer has
+    written its KV. Callbacks (`register_layer_end_callback`, run in registration order) may
+    enqueue device work (e.g. a host backup of the layer on a side stream), never sync the host.
+    They see exactly the eager forwards: a CUDA graph is captured under
+    `suspend_layer_end_hooks()`, so a replayed step runs no hook (what needs graph steps must be
+    driven from outside the graph). With no callback registered the call costs one attribute test.
     """
 
     layer_transfer_counter: LayerTransferCounter | None = None
+    _layer_end_callbacks: tuple[Callable[[int], None], ...] = ()
+    _layer_end_suspended: int = 0
 
     def register_layer_transfer_counter(self, counter: LayerTransferCounter | None) -> None:
         self.layer_transfer_counter = counter
@@ -144,6 +183,33 @@ class KVCache(ABC):
     def _wait_layer(self, layer_id: int) -> None:
         if self.layer_transfer_counter is not None:
             self.layer_transfer_counter.wait_until(layer_id)
+
+    # -- lifecycle hooks --------------------------------------------------------------------------
+    def register_layer_end_callback(self, cb: Callable[[int], None]) -> None:
+        self._layer_end_callbacks = (*self._layer_end_callbacks, cb)
+
+    def on_layer_end(self, layer_id: int) -> None:
+        """Layer `layer_id`'s KV is written (queued on the device): run the layer-end callbacks."""
+        if self._layer_end_callbacks and not self._layer_end_suspended:
+            for cb in self._layer_end_callbacks:
+                cb(layer_id)
+
+    @contextlib.contextmanager
+    def suspend_layer_end_hooks(self) -> Iterator[None]:
+        """`on_layer_end` calls nothing inside (CUDA-graph capture); nests."""
+        self._layer_end_suspended += 1
+        try:
+            yield
+        finally:
+            self._layer_end_suspended -= 1
+
+    # -- layout ----------------------------------------------------------------------------------
+    @abstractmethod
+    def layout(self) -> KVPoolLayout: ...
+
+    @abstractmethod
+    def page_payloads(self, layer_id: int) -> list[PagePayload]:
+        """The layer's page-granular buffers (waits for the layer like every accessor)."""
 
     @abstractmethod
     def get_key_buffer(self, layer_id: int) -> torch.Tensor: ...
@@ -187,6 +253,12 @@ class MLATokenToKVPool(KVCache):
         self._wait_layer(layer_id)
         return self.kv_buffer[layer_id]
 
+    def get_kv_store_buffer(self, layer_id: int) -> torch.Tensor:
+        """The layer's [slots, 1, dim] buffer for a fused store kernel to write new tokens into
+        (sgl_kernel.kv_store.store_mla_kv; `set_mla_kv_buffer` is its torch twin)."""
+        self._wait_layer(layer_id)
+        return self.kv_buffer[layer_id]
+
     def set_mla_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
     ) -> None:
@@ -221,6 +293,7 @@ class MLATokenToKVPool(KVCache):
         transient full-context view context parallel attends over. Nothing else is readable."""
         view = copy.copy(self)
         view.layer_transfer_counter = None  # the buffers are built from already-waited layers
+        view._layer_end_callbacks = ()  # hooks belong to the rank's own pool
         view.kv_buffer = {layer_id: kv} if kv is not None else {}
         view.size = (kv.shape[0] if kv is not None else index_rows.shape[0] * self.page_size) - self.page_size
         if hasattr(self, "index_k_with_scale_buffer"):
@@ -234,6 +307,17 @@ class MLATokenToKVPool(KVCache):
 
     def get_kv_size_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.kv_buffer)
+
+    def layout(self) -> KVPoolLayout:
+        return KVPoolLayout(
+            layer_num=self.layer_num, kv_cache_dim=self.kv_cache_dim, dtype=self.dtype,
+            page_size=self.page_size, num_pages=self.size // self.page_size,
+            kv_row_bytes=self.kv_cache_dim * self.dtype.itemsize, index_k_bytes_per_page=0, index_layer_ids=())
+
+    def page_payloads(self, layer_id: int) -> list[PagePayload]:
+        """MLA KV as [num_pages + 1, page_size * dim] (model dtype)."""
+        self._wait_layer(layer_id)
+        return [PagePayload("kv", self.kv_buffer[layer_id].view(-1, self.page_size * self.kv_cache_dim))]
 
 
 class NSATokenToKVPool(MLATokenToKVPool):
@@ -288,6 +372,12 @@ class NSATokenToKVPool(MLATokenToKVPool):
 
     def get_index_k_buffer(self, layer_id: int) -> torch.Tensor:
         """The layer's raw uint8 [num_pages + 1, page_size * bytes/token] buffer (what kernels read)."""
+        self._wait_layer(layer_id)
+        return self.index_k_with_scale_buffer[self.index_buffer_id(layer_id)]
+
+    def get_index_k_store_buffer(self, layer_id: int) -> torch.Tensor:
+        """The same raw buffer, for a fused store kernel to write new tokens' index K into
+        (sgl_kernel.kv_store.store_index_k; `set_index_k` is its torch twin)."""
         self._wait_layer(layer_id)
         return self.index_k_with_scale_buffer[self.index_buffer_id(layer_id)]
 
@@ -346,3 +436,16 @@ class NSATokenToKVPool(MLATokenToKVPool):
 
     def get_kv_size_bytes(self) -> int:
         return super().get_kv_size_bytes() + sum(b.numel() for b in self.index_k_with_scale_buffer)
+
+    def layout(self) -> KVPoolLayout:
+        return dataclasses.replace(super().layout(), index_k_bytes_per_page=self.page_size * self.index_bytes_per_token,
+                                   index_layer_ids=tuple(self.index_layer_ids))
+
+    def page_payloads(self, layer_id: int) -> list[PagePayload]:
+        """MLA KV, plus the raw index-K rows ([num_pages + 1, page bytes] uint8) on full layers only:
+        a shared IndexCache layer has no index K to move."""
+        out = super().page_payloads(layer_id)  # waits for the layer (MLA and index K arrive together)
+        j = self.index_layer_map.get(layer_id)
+        if j is not None:
+            out.append(PagePayload("index_k", self.index_k_with_scale_buffer[j]))
+        return out

@@ -53,6 +53,7 @@ class DeepseekModelNextN(nn.Module):
                 target_hidden: torch.Tensor) -> torch.Tensor:
         x = torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(target_hidden)], dim=-1)
         h, residual, _ = self.decoder(positions, self.eh_proj(x), None, forward_batch, None)
+        forward_batch.token_to_kv_pool.on_layer_end(self.decoder.self_attn.layer_id)  # the draft pool's layer
         if h.shape[0] == 0:
             return h
         h, _ = self.shared_head.norm(h, residual)

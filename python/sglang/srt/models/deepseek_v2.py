@@ -22,10 +22,11 @@ from sglang.srt.configs.index_layers import (
     layer_index_role,
 )
 from sglang.srt.configs.model_config import rope_parameters_of
+from sglang.srt.debug import checks as debug_checks
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
 from sglang.srt.layers.activation import SiluAndMul
-from sglang.srt.layers.attention.nsa import utils as nsa_utils
 from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
+from sglang.srt.layers.attention.nsa.utils import assert_topk_matches_batch
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -45,7 +46,6 @@ from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabPara
 from sglang.srt.layers.attention.nsa.cp_backend import cp_all_gather_hidden, cp_collect_last_token_hidden
 from sglang.srt.layers.moe.token_dispatcher import create_dispatcher
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
-from sglang.srt.utils.common import get_bool_env
 from sglang.srt.model_loader.weight_utils import check_weights_complete
 
 logger = logging.getLogger(__name__)
@@ -205,8 +205,8 @@ class DeepseekV2AttentionMLA(nn.Module):
         topk_indices = prev_topk_indices
         if self.indexer is not None and not (self.skip_topk and prev_topk_indices is not None):
             topk_indices = self.indexer(hidden_states, q_lora, positions, forward_batch)
-        elif topk_indices is not None and nsa_utils.debug_checks_active():
-            nsa_utils.assert_topk_matches_batch(topk_indices, forward_batch, self.layer_id)
+        elif topk_indices is not None and debug_checks.debug_checks_active():
+            assert_topk_matches_batch(topk_indices, forward_batch, self.layer_id)
         attn = self.attn(q_nope, q_rope, latent, k_rope, forward_batch, topk_indices)
         out = self.o_proj(attn.reshape(t, self.num_local_heads * self.v_head_dim))
         return out, topk_indices if self.next_skip_topk else None
@@ -276,16 +276,14 @@ class DeepseekV2Model(nn.Module):
                 input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual, topk_indices = None, None
-        cp = forward_batch.cp_metadata
-        poison = cp is not None and get_bool_env("SGLANG_CP_POISON_PADDING")  # CP runs eagerly: cheap
+        poison = debug_checks.cp_padding_poison(forward_batch)  # None unless debugging CP padding
+        pool = forward_batch.token_to_kv_pool  # under CP the rank's own pool (views are per attention call)
         for layer in self.layers:
-            if poison:  # debug: garbage in the CP dummy rows must not reach any real row
-                for x in (hidden_states, residual):
-                    if x is not None:
-                        x.index_fill_(0, cp.dummy_idx, 1e4)
-                        cp.counter.add("poisoned_rows", cp.num_local - cp.valid_idx.numel())
+            if poison is not None:
+                poison(hidden_states, residual)
             hidden_states, residual, topk_indices = layer(positions, hidden_states, residual, forward_batch,
                                                           topk_indices)
+            pool.on_layer_end(layer.self_attn.layer_id)  # the layer's slot in the pool
         if hidden_states.shape[0] == 0:
             return hidden_states
         hidden_states, _ = self.norm(hidden_states, residual)

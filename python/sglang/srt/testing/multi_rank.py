@@ -55,6 +55,8 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
     torch.manual_seed(0)
     sched = Scheduler(sa, tp_group=group or SINGLE_GROUP)
     out: dict = {}
+    layer_ends: list[int] = []  # KVCache.on_layer_end on this rank's own pool
+    sched.tp_worker.model_runner.token_to_kv_pool.register_layer_end_callback(layer_ends.append)
 
     def submit(batch: list[list[int]], tag: str) -> None:
         for i, ids in enumerate(batch):
@@ -83,6 +85,7 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
         drain()
         out.clear()
         step_s.clear()
+        layer_ends.clear()
         if getattr(sched.tp_worker.model_runner, "cp_counter", None) is not None:
             sched.tp_worker.model_runner.cp_counter.elements.clear()
     submit(case.prompts, "p")
@@ -91,7 +94,7 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
         submit(case.followups, "f")
         drain()
     mr = sched.tp_worker.model_runner
-    out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s, "comm": dict(getattr(mr, "cp_counter", None).elements)
+    out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s, "layer_ends": layer_ends, "comm": dict(getattr(mr, "cp_counter", None).elements)
                      if getattr(mr, "cp_counter", None) else {},
                      "pool_slots": mr.token_to_kv_pool.size, "capacity": sched.max_total_num_tokens,
                      # pages each rank stores now (the prefix cache keeps the finished requests' KV)

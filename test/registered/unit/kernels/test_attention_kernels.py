@@ -14,7 +14,7 @@ from sgl_kernel.kv_store import store_index_k, store_mla_kv
 from sgl_kernel.sparse_mla import mla_attention, mla_attention_ref, split_keys_for
 from sglang.srt.layers.attention.nsa.nsa_indexer import fold_fp8_query
 from sglang.srt.layers.attention.nsa.nsa_indexer import index_scores as index_scores_ref
-from sglang.srt.layers.attention.nsa.quant import fp8_round_trip
+from sglang.srt.mem_cache.index_k_format import fp8_round_trip
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
 DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")

@@ -1,4 +1,5 @@
-"""The CP split and page map (nsa.utils) as properties (hypothesis), the owner-aware allocator, and
+"""The CP split and page map (mem_cache.cp_page_map) and the compute layout (nsa.utils) as
+properties (hypothesis), the owner-aware allocator, and
 the CP flags."""
 
 from __future__ import annotations
@@ -8,12 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang.srt.layers.attention.nsa.utils import (
-    local_layout,
-    page_owner,
-    physical_page,
-    split_request,
-)
+from sglang.srt.layers.attention.nsa.utils import local_layout
+from sglang.srt.mem_cache.cp_page_map import page_owner, physical_page, split_request
 from sglang.srt.mem_cache.allocator import CPPagedTokenToKVPoolAllocator
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 

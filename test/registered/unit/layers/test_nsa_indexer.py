@@ -9,11 +9,11 @@ from sglang.srt.layers.attention.attention_registry import create_attn_backend
 from sglang.srt.layers.attention.nsa.nsa_backend import topk_to_mask
 from sglang.srt.layers.attention.nsa.nsa_indexer import index_score_dtype, index_scores
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.layers.attention.nsa.quant import (
+from sglang.srt.layers.attention.nsa.quant import hadamard_rotate
+from sglang.srt.mem_cache.index_k_format import (
     FP8_E4M3_MAX,
     dequantize_fp8_per_block,
     fp8_round_trip,
-    hadamard_rotate,
     quantize_fp8_per_block,
 )
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator

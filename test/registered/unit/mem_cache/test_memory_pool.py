@@ -3,13 +3,14 @@ exact modes, index-layer subsets). CPU, fast."""
 
 from __future__ import annotations
 
+import inspect
 
 import pytest
 
 
 import torch
 
-from sglang.srt.layers.attention.nsa.quant import (
+from sglang.srt.mem_cache.index_k_format import (
     dequantize_fp8_per_block,
     quantize_fp8_per_block,
 )
@@ -124,23 +125,35 @@ class _Counter:
         self.waited.append(layer_id)
 
 
+# Methods taking a layer_id that are not accessors of its buffers: writers, the CP view builder
+# (its buffers come from already-waited layers), the id lookup, the layer-end hook.
+_NOT_READERS = {"layer_view", "index_buffer_id", "on_layer_end", "check_index_layer_ids"}
+
+
 def test_every_kv_reader_waits_for_its_layer():
     """HiCache's layer-wise load hook: every accessor that reads a layer's KV (MLA and index K,
-    the raw buffers kernels get included) consults the layer transfer counter first."""
+    the raw buffers kernels get included, store buffers and page payloads) consults the layer
+    transfer counter first."""
     pool = nsa(layer_num=3, index_layer_ids=[0, 2])
     counter = _Counter()
     pool.register_layer_transfer_counter(counter)
     loc, pages = torch.tensor([17, 18]), torch.tensor([1, 2])
     readers = {
         "get_key_buffer": lambda: pool.get_key_buffer(2),
+        "get_kv_store_buffer": lambda: pool.get_kv_store_buffer(2),
         "get_mla_kv": lambda: pool.get_mla_kv(2, loc),
         "get_kv_pages": lambda: pool.get_kv_pages(2, pages),
         "get_index_k_buffer": lambda: pool.get_index_k_buffer(2),
+        "get_index_k_store_buffer": lambda: pool.get_index_k_store_buffer(2),
         "get_index_k": lambda: pool.get_index_k(2, loc),
         "get_index_k_pages": lambda: pool.get_index_k_pages(2, pages),
+        "page_payloads": lambda: pool.page_payloads(2),
     }
     public_getters = {n for n in dir(pool) if n.startswith("get_") and n not in ("get_kv_size_bytes",)}
-    assert public_getters == set(readers), "a new getter must be added here (and must wait)"
+    layer_methods = {n for n in dir(pool) if not n.startswith("_") and callable(getattr(pool, n))
+                     and "layer_id" in inspect.signature(getattr(pool, n)).parameters}
+    layer_readers = {n for n in layer_methods if not n.startswith("set_")} - _NOT_READERS
+    assert public_getters | layer_readers == set(readers), "a new accessor must be added here (and must wait)"
     for name, read in readers.items():
         counter.waited.clear()
         read()
@@ -396,3 +409,90 @@ def test_index_k_page_moves_are_layer_checked():
     dst.check_index_layer_ids([0, 2])
     with pytest.raises(ValueError, match="layout mismatch"):
         dst.check_index_layer_ids([0, 1, 2, 3], "prefill peer")
+
+
+# -- layout() and page_payloads(): what HiCache / PD ask instead of recomputing -------------------
+def test_mla_layout_and_page_payloads():
+    pool = MLATokenToKVPool(64, 16, torch.bfloat16, RANK, ROPE, 3)
+    lay = pool.layout()
+    assert (lay.layer_num, lay.kv_cache_dim, lay.dtype, lay.page_size, lay.num_pages) == (3, RANK + ROPE,
+                                                                                         torch.bfloat16, 16, 4)
+    assert lay.kv_row_bytes == (RANK + ROPE) * 2 and lay.kv_bytes_per_page == 16 * (RANK + ROPE) * 2
+    assert lay.index_k_bytes_per_page == 0 and lay.index_layer_ids == ()
+    assert lay.kv_row_bytes * lay.layer_num == pool.kv_bytes_per_token()
+    with pytest.raises(Exception):
+        lay.layer_num = 4  # frozen
+    (kv,) = pool.page_payloads(1)
+    assert kv.name == "kv" and tuple(kv.buffer.shape) == (lay.num_pages + 1, 16 * (RANK + ROPE))
+    kv.buffer[2] = 1.0  # a view: page 2 of layer 1 is the pool's page 2
+    assert pool.get_kv_pages(1, torch.tensor([2])).eq(1).all() and pool.kv_buffer[0].eq(0).all()
+
+
+@pytest.mark.parametrize("mode", ["fp8_e4m3", "bfloat16"])
+def test_nsa_layout_and_payloads_follow_index_cache(mode):
+    pool = nsa(layer_num=4, index_layer_ids=[0, 1, 3], index_k_dtype=mode)
+    lay = pool.layout()
+    assert lay.index_layer_ids == (0, 1, 3)
+    assert lay.index_k_bytes_per_page == pool.index_k_with_scale_buffer[0].shape[1] == 16 * pool.index_bytes_per_token
+    total = lay.layer_num * lay.kv_row_bytes + len(lay.index_layer_ids) * lay.index_k_bytes_per_page // lay.page_size
+    assert total == pool.kv_bytes_per_token()
+    for layer in range(4):
+        payloads = pool.page_payloads(layer)
+        names = [p.name for p in payloads]
+        assert names == (["kv", "index_k"] if layer in lay.index_layer_ids else ["kv"]), layer  # shared: no index K
+        for p in payloads:
+            assert p.buffer.shape[0] == lay.num_pages + 1
+        if layer in lay.index_layer_ids:
+            idx = payloads[1].buffer
+            assert idx.dtype == torch.uint8 and idx.shape[1] == lay.index_k_bytes_per_page
+            assert idx.data_ptr() == pool.get_index_k_buffer(layer).data_ptr()
+
+
+def test_payloads_round_trip_moves_every_byte_of_a_page():
+    """Copying page payloads of one pool into another reproduces the layer's KV and index K."""
+    a, b = nsa(layer_num=2, index_layer_ids=[1]), nsa(layer_num=2, index_layer_ids=[1])
+    loc = torch.arange(16, 32)
+    a.set_mla_kv_buffer(1, loc, torch.randn(16, RANK, generator=gen()), torch.randn(16, ROPE, generator=gen(1)))
+    a.set_index_k(1, loc, torch.randn(16, 128, generator=gen(2)))
+    for src, dst in zip(a.page_payloads(1), b.page_payloads(1)):
+        dst.buffer[1] = src.buffer[1]
+    assert torch.equal(a.get_key_buffer(1), b.get_key_buffer(1))
+    assert torch.equal(a.get_index_k(1, loc), b.get_index_k(1, loc))
+
+
+# -- layer-end hooks --------------------------------------------------------------------------------
+def test_layer_end_hooks_order_suspend_and_views():
+    pool = nsa(layer_num=3)
+    pool.on_layer_end(0)  # none registered: a no-op
+    seen = []
+    pool.register_layer_end_callback(lambda i: seen.append(("a", i)))
+    pool.register_layer_end_callback(lambda i: seen.append(("b", i)))
+    pool.on_layer_end(2)
+    assert seen == [("a", 2), ("b", 2)]
+    seen.clear()
+    with pool.suspend_layer_end_hooks():
+        with pool.suspend_layer_end_hooks():  # nests
+            pool.on_layer_end(0)
+        pool.on_layer_end(1)
+    assert seen == []
+    with pytest.raises(RuntimeError):
+        with pool.suspend_layer_end_hooks():
+            raise RuntimeError
+    pool.on_layer_end(1)  # resumed even after an exception
+    assert seen == [("a", 1), ("b", 1)]
+    # a CP layer view is transient: hooks stay with the rank's own pool
+    view = pool.layer_view(0, kv=torch.zeros(32, 1, RANK + ROPE, dtype=torch.bfloat16))
+    seen.clear()
+    view.on_layer_end(0)
+    assert seen == []
+    other = nsa(layer_num=3)
+    other.on_layer_end(0)  # callbacks are per pool
+    assert seen == []
+
+
+def test_store_buffers_are_the_pool_storage():
+    pool = nsa(layer_num=3, index_layer_ids=[0, 2])
+    assert pool.get_kv_store_buffer(1) is pool.kv_buffer[1]
+    assert pool.get_index_k_store_buffer(2) is pool.index_k_with_scale_buffer[1]
+    with pytest.raises(KeyError, match="no index-K buffer"):
+        pool.get_index_k_store_buffer(1)  # a shared IndexCache layer never writes index K

@@ -1,5 +1,7 @@
 """Attention backends by name (the --nsa-prefill-backend / --nsa-decode-backend choices), and the
 other NSA option names ServerArgs offers (defined here once; the modules using them import them).
+Storage choices live with storage: --nsa-index-k-dtype in mem_cache.index_k_format,
+--nsa-prefill-cp-mode in mem_cache.cp_page_map.
 
 Classes are imported on use, so ServerArgs can list the names without importing kernels.
 "auto" picks Triton on CUDA and the torch reference on CPU; a backend the device cannot run is a
@@ -20,8 +22,6 @@ ATTENTION_BACKENDS: dict[str, str] = {
 }
 NSA_BACKEND_CHOICES = ["auto", *ATTENTION_BACKENDS]
 MLA_PATHS = ["auto", "plain", "absorbed"]  # the torch backend's formulation (--mla-attn-path)
-INDEX_K_DTYPE_NAMES = ["fp8_e4m3", "bfloat16", "float32"]  # --nsa-index-k-dtype
-CP_MODES = ("in-seq-split", "round-robin-split")  # --nsa-prefill-cp-mode (nsa.utils.split_request)
 CP_MODE_ALIASES = {"zigzag": "in-seq-split", "interleave": "round-robin-split"}  # upstream's --cp-strategy
 # Backends made of Triton kernels: they need a CUDA device, or TRITON_INTERPRET=1 on CPU.
 TRITON_BACKENDS = {"triton"}  # also the MoE runner of that name

@@ -2,7 +2,7 @@
 gives each rank's queries the full causal context.
 
 Per forward (host, once): `build_cp_forward_batch` splits the batch's new tokens over the CP
-ranks (`nsa.utils.split_request`), lays this rank's tokens out in per-request lanes padded with
+ranks (`mem_cache.cp_page_map.split_request`), lays this rank's tokens out in per-request lanes padded with
 dummy rows (every rank has the same row count), and plans the KV movement:
 - stores: each rank writes the MLA KV and index K of its tokens into its own pool (physical
   slots of the pages it owns). Direct writes only when the batch is page-aligned and every valid
@@ -24,7 +24,8 @@ import torch
 
 from sglang.srt.distributed.parallel_state import GroupCoordinator
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-from sglang.srt.layers.attention.nsa.utils import local_layout, page_owner, physical_page, split_request
+from sglang.srt.layers.attention.nsa.utils import local_layout
+from sglang.srt.mem_cache.cp_page_map import page_owner, physical_page, physical_slots, split_request
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 
@@ -70,11 +71,6 @@ class _ViewTable:
         self.req_to_token = req_to_token
 
 
-def _physical_slots(slots: torch.Tensor, page_size: int, cp_size: int) -> torch.Tensor:
-    pages = slots // page_size
-    return ((pages - 1).clamp(min=0) // cp_size + 1) * page_size + slots % page_size
-
-
 def build_cp_forward_batch(fb: ForwardBatch, req_to_token_cpu: torch.Tensor, group: GroupCoordinator,
                            mode: str, page_size: int, counter: CommCounter) -> ForwardBatch:
     """This rank's share of `fb` (host work only; one upload)."""
@@ -103,11 +99,11 @@ def build_cp_forward_batch(fb: ForwardBatch, req_to_token_cpu: torch.Tensor, gro
     local_ids = torch.where(is_valid, ids[safe], 0)
     local_pos = torch.where(is_valid, pos[safe], 0)  # a dummy row reads its request's key 0
     local_loc = torch.where(is_valid, loc[safe], 0)
-    owner = ((local_loc // ps - 1) % cp)
+    owner = page_owner(local_loc // ps, cp)
     if aligned and bool((owner[is_valid] != rank).any()):
         raise AssertionError("CP page ownership check failed: a page-aligned split put a token on a "
                              "rank that does not own its page")
-    store_loc = torch.where(is_valid, _physical_slots(local_loc, ps, cp), 0)
+    store_loc = torch.where(is_valid, physical_slots(local_loc, ps, cp), 0)
 
     # all-gathered rows (rank-major): global token index of each, for the fallbacks
     g_rows = torch.tensor([g for _, rr, _ in layouts for g in rr], dtype=torch.int64)
@@ -117,8 +113,8 @@ def build_cp_forward_batch(fb: ForwardBatch, req_to_token_cpu: torch.Tensor, gro
     gathered_store_loc = None
     if not aligned:
         g_loc = torch.where(ok, loc[g_rows.clamp(min=0)], 0)
-        mine = ok & (((g_loc // ps - 1) % cp) == rank)
-        gathered_store_loc = torch.where(mine, _physical_slots(g_loc, ps, cp), 0)
+        mine = ok & (page_owner(g_loc // ps, cp) == rank)
+        gathered_store_loc = torch.where(mine, physical_slots(g_loc, ps, cp), 0)
     last_global = torch.tensor([starts[i] + fb.extend_seq_lens_cpu[i] - 1 for i in range(b)], dtype=torch.int64)
     last_flat = full_gather_idx[last_global]
     last_owner = last_flat // t_local
@@ -134,7 +130,7 @@ def build_cp_forward_batch(fb: ForwardBatch, req_to_token_cpu: torch.Tensor, gro
         view_pages.extend((req_to_token_cpu[int(req_rows[i]), : n_pages * ps : ps].to(torch.int64) // ps).tolist())
     n_view = len(view_pages)
     vp = torch.tensor(view_pages, dtype=torch.int64)
-    v_owner = (vp - 1) % cp
+    v_owner = page_owner(vp, cp)
     per_rank = [torch.nonzero(v_owner == r).flatten() for r in range(cp)]
     m = max(1, max(len(x) for x in per_rank))
     view_dst = torch.full((cp, m), n_view, dtype=torch.int64)
@@ -142,7 +138,7 @@ def build_cp_forward_batch(fb: ForwardBatch, req_to_token_cpu: torch.Tensor, gro
         view_dst[r, : len(x)] = x
     send_pages = torch.zeros(m, dtype=torch.int64)
     mine_v = per_rank[rank]
-    send_pages[: len(mine_v)] = (vp[mine_v] - 1) // cp + 1  # physical_page
+    send_pages[: len(mine_v)] = physical_page(vp[mine_v], cp)
     width = max(seq_lens) if seq_lens else 1
     p_ar = torch.arange(width)
     table = torch.zeros(b, width, dtype=torch.int32)

@@ -23,7 +23,7 @@ import torch
 from sglang.srt.layers.attention.attention_registry import MLA_PATHS
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.nsa.nsa_indexer import causal_topk, index_scores, index_score_dtype
-from sglang.srt.layers.attention.nsa.quant import fp8_round_trip
+from sglang.srt.mem_cache.index_k_format import fp8_round_trip
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 # Queries are processed in chunks so a [heads, chunk, keys] score block (or a [chunk, keys, D]

@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang.srt.layers.attention.nsa.quant import hadamard_rotate, quantize_fp8_per_block
+from sglang.srt.layers.attention.nsa.quant import hadamard_rotate
 from sglang.srt.layers.layernorm import LayerNorm
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+from sglang.srt.mem_cache.index_k_format import quantize_fp8_per_block
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 

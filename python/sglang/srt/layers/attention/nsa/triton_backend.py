@@ -155,7 +155,7 @@ class TritonNSABackend(AttentionBackend):
         md: TritonNSAMetadata = fb.attn_metadata
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            store_mla_kv(pool.kv_buffer[layer.layer_id], fb.out_cache_loc, latent, k_rope)
+            store_mla_kv(pool.get_kv_store_buffer(layer.layer_id), fb.out_cache_loc, latent, k_rope)
         q_lat = layer.absorb_q(q_nope)
         split = md.split
         o_lat = mla_attention(
@@ -171,8 +171,8 @@ class TritonNSABackend(AttentionBackend):
         from sgl_kernel.kv_store import store_index_k
 
         pool = forward_batch.token_to_kv_pool
-        buf = pool.index_k_with_scale_buffer[pool.index_buffer_id(layer_id)]
-        store_index_k(buf, forward_batch.out_cache_loc, k, pool.page_size, pool.data_dtype)
+        store_index_k(pool.get_index_k_store_buffer(layer_id), forward_batch.out_cache_loc, k, pool.page_size,
+                      pool.data_dtype)
 
     @staticmethod
     def _score_inputs(pool, indexer, q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@ from CUDA graphs (attention backend AND MoE runner AND token dispatcher). Fast."
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -181,9 +182,7 @@ def test_registries():
     assert {k: get_dispatcher_class(k).supports_cuda_graph for k in TOKEN_DISPATCHERS} == {
         "local": True, "all_to_all": False, "deepep": False}
     from sglang.srt.layers.moe.fused_moe_native import fused_experts_native
-    from sglang.srt.server_args import ServerArgs as SA
-    import dataclasses
 
     assert MOE_RUNNERS["torch"].load() is fused_experts_native
-    field = next(f for f in dataclasses.fields(SA) if f.name == "moe_runner_backend")
+    field = next(f for f in dataclasses.fields(ServerArgs) if f.name == "moe_runner_backend")
     assert field.metadata["choices"] == MOE_RUNNER_BACKENDS

@@ -40,7 +40,7 @@ SMOKE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, n
 def make_config_dir(shape: str, layers: int, smoke: bool) -> str:
     import transformers
 
-    from sglang.srt.testing.tiny_models import build_tokenizer
+    from sglang.srt.model_loader.tiny_models import build_tokenizer
 
     cfg_name, arch = CONFIG_CLASSES[shape]
     cfg = getattr(transformers, cfg_name)(num_hidden_layers=layers, first_k_dense_replace=1,

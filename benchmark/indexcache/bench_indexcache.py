@@ -47,7 +47,7 @@ CPU_SMALL = dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=1
 
 
 def make_config_dir(shape: dict, layers: int, max_pos: int) -> str:
-    from sglang.srt.testing.tiny_models import build_tokenizer, make_tiny_config
+    from sglang.srt.model_loader.tiny_models import build_tokenizer, make_tiny_config
 
     d = tempfile.mkdtemp(prefix="sglang-ic-bench-")
     spec = dict(shape)

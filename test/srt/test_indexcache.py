@@ -14,7 +14,7 @@ from sglang.srt.layers.attention.nsa.utils import StaleTopkError, assert_topk_ma
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.testing.runner_utils import prefill_all_logits
 from sglang.srt.testing.reference import hf_greedy_generate, hf_prefill_logits, load_hf_reference
-from sglang.srt.testing.tiny_models import make_tiny_checkpoint
+from sglang.srt.model_loader.tiny_models import make_tiny_checkpoint
 
 LOGIT_ATOL = 1e-4
 LAYERS = 8

@@ -26,7 +26,7 @@ pytest.importorskip("dill")
 
 from sglang.srt.testing.logit_processors import ScriptedTokensLogitProcessor, scripted_request  # noqa: E402
 from sglang.srt.testing.server import ServerProcess  # noqa: E402
-from sglang.srt.testing.tiny_models import EOS_TOKEN_ID  # noqa: E402
+from sglang.srt.model_loader.tiny_models import EOS_TOKEN_ID  # noqa: E402
 
 try:
     import jsonschema

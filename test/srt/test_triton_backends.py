@@ -14,6 +14,7 @@ import torch
 
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.model_executor.cuda_graph_runner import (
+    DECODE_SPEC,
     CudaGraphRunner,
     EagerGraphBackend,
     get_batch_sizes_to_capture,
@@ -119,9 +120,10 @@ def test_graph_runner_replays_padded_batches_like_eager(builtin_path):
     eager = mr.forward(fb).next_token_logits.clone()
     got = runner.replay(fb).next_token_logits
     assert got.shape == eager.shape and torch.allclose(got, eager, atol=1e-5)
-    pad = runner.buffers["req_pool_indices"][3].item()
+    buffers = runner.buffers[DECODE_SPEC].inputs
+    pad = buffers["req_pool_indices"][3].item()
     assert pad == mr.req_to_token_pool.padding_slot and mr.req_to_token_pool.req_to_token[pad].eq(0).all()
-    assert runner.buffers["out_cache_loc"][3].item() == 0  # padding rows write the padding page only
+    assert buffers["out_cache_loc"][3].item() == 0  # padding rows write the padding page only
 
 
 def test_triton_backend_without_a_gpu_is_a_startup_error(builtin_path):

@@ -28,7 +28,7 @@ from sglang.srt.layers.attention.attention_registry import (  # noqa: E402
 )
 from sglang.srt.mem_cache.cp_page_map import CP_MODES  # noqa: E402
 from sglang.srt.mem_cache.index_k_format import INDEX_K_DTYPE_NAMES  # noqa: E402
-from sglang.srt.layers.moe import MOE_RUNNER_BACKENDS  # noqa: E402
+from sglang.srt.layers.moe.moe_registry import MOE_RUNNER_BACKENDS  # noqa: E402
 from sglang.srt.constrained import GRAMMAR_BACKENDS  # noqa: E402
 
 
@@ -150,7 +150,8 @@ class ServerArgs:
     nsa_decode_backend: str = _f("auto", "Attention + indexer kernels for decode (as --nsa-prefill-backend; may "
                                  "differ from it).", "nsa", NSA_BACKEND_CHOICES)
     moe_runner_backend: str = _f("auto", "Expert computation: triton (fused MoE kernels) or torch (reference "
-                                 "loop); auto = triton on CUDA, torch on CPU.", "nsa", MOE_RUNNER_BACKENDS)
+                                 "loop; its host sync keeps decode out of CUDA graphs); auto = triton on CUDA, "
+                                 "torch on CPU.", "nsa", MOE_RUNNER_BACKENDS)
     nsa_index_topk_freq: int | None = _f(None, "IndexCache: run the DSA indexer every N layers; the layers between "
                                          "reuse the previous top-k (1 = every layer; default: the checkpoint's).",
                                          "nsa")
@@ -225,7 +226,7 @@ class ServerArgs:
         if out.chunked_prefill_size > 0 and out.chunked_prefill_size % out.page_size:
             raise ServerArgsError("chunked_prefill_size", f"must be a multiple of --page-size {out.page_size}")
         from sglang.srt.layers.attention.attention_registry import backend_unrunnable_reason, resolve_backend_name
-        from sglang.srt.layers.moe import resolve_moe_runner_backend
+        from sglang.srt.layers.moe.moe_registry import resolve_moe_runner_backend
 
         for name in ("nsa_prefill_backend", "nsa_decode_backend"):
             backend = resolve_backend_name(getattr(out, name), device)

@@ -190,22 +190,3 @@ def grammar_key(sampling_params) -> tuple[str, str] | None:
             return kind, text
     return None
 
-
-def create_grammar_backend(server_args, tokenizer, vocab_size: int,
-                           eos_token_ids: list[int] | None = None) -> BaseGrammarBackend | None:
-    """The backend named by --grammar-backend; None for `none` (structured outputs disabled).
-    `eos_token_ids`: the model's EOS ids (the grammar's stop tokens, with the tokenizer's EOS)."""
-    name = server_args.grammar_backend
-    if name == "none":
-        return None
-    if name == "xgrammar":
-        try:
-            from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
-        except ImportError as e:
-            raise RuntimeError(f"--grammar-backend xgrammar needs the xgrammar package ({e}); install it "
-                               "(pip install xgrammar) or start with --grammar-backend none") from None
-
-        return XGrammarGrammarBackend(
-            tokenizer, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
-            any_whitespace=not server_args.constrained_json_disable_any_whitespace)
-    raise ValueError(f"invalid grammar backend {name!r}")

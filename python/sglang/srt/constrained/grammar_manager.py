@@ -67,7 +67,7 @@ class GrammarManager:
         ready = [i for i, r in enumerate(self.grammar_queue)
                  if r.grammar.done() or now - r.grammar_wait_start > GRAMMAR_TIMEOUT_S]
         single = self.world_group.is_single
-        if not single:
+        if not single:  # rank 0 decides; over the gloo cpu_group (a host list, no device trip)
             ready = self.world_group.broadcast_object(ready)
         out = []
         for i in ready:

@@ -2,6 +2,11 @@
 
 Groups are passed explicitly to the layers that need them (no global context to reset in tests);
 a single-rank group is a no-op so the same model code runs without torch.distributed.
+
+Each group has a device group (`group`: NCCL on GPU, for tensors) and, over the same ranks, a gloo
+`cpu_group` for host objects -- the scheduler's per-iteration control messages, grammar readiness --
+as upstream keeps one: pickled objects through NCCL cost a device round trip every iteration. When
+the device group already is gloo (CPU runs) the two are the same group.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch.distributed as dist
 class GroupCoordinator:
     rank: int = 0
     world_size: int = 1
-    group: object | None = None  # torch.distributed.ProcessGroup
+    group: object | None = None  # torch.distributed.ProcessGroup (device collectives)
+    cpu_group: object | None = None  # gloo ProcessGroup over the same ranks (host objects)
 
     @property
     def is_single(self) -> bool:
@@ -37,10 +43,13 @@ class GroupCoordinator:
         return torch.cat(parts, dim=dim)
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
+        """A host object from rank `src` to every rank, over the gloo cpu_group (never the device)."""
         if self.is_single:
             return obj
+        if self.cpu_group is None:
+            raise RuntimeError("broadcast_object needs the group's gloo cpu_group (init_distributed makes it)")
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        dist.broadcast_object_list(box, src=src, group=self.cpu_group)
         return box[0]
 
 
@@ -60,7 +69,11 @@ def init_distributed(
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank,
                                 timeout=timedelta(seconds=timeout_s))
-    return GroupCoordinator(rank=rank, world_size=world_size, group=dist.group.WORLD)
+    world = dist.group.WORLD
+    # Every rank runs this, so new_group (a collective over all ranks) is called by all in order.
+    cpu_group = world if dist.get_backend(world) == "gloo" else dist.new_group(
+        backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return GroupCoordinator(rank=rank, world_size=world_size, group=world, cpu_group=cpu_group)
 
 
 def node_ranks(world_size: int, nnodes: int, node_rank: int) -> range:

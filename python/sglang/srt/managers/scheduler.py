@@ -33,7 +33,7 @@ from sglang.srt.managers.io_struct import (
     SchedulerStats,
     TokenizedGenerateReqInput,
 )
-from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
+from sglang.srt.constrained.grammar_registry import create_grammar_backend
 from sglang.srt.constrained.grammar_manager import GrammarManager
 from sglang.srt.managers.request_limits import request_length_error
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch

@@ -52,6 +52,7 @@ class SchedulerProcess:
                     msgs.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
                 except zmq.ZMQError:
                     break
+        # control messages: over the gloo cpu_group, so no iteration waits on a device round trip
         return self.tp_group.broadcast_object(msgs) if not self.tp_group.is_single else msgs
 
     def process(self, msg) -> list:

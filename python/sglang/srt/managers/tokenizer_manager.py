@@ -33,7 +33,8 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from sglang.srt.constrained import KIND_TO_FIELD, STRUCTURED_OUTPUTS_DISABLED
-from sglang.srt.constrained.base_grammar_backend import create_grammar_backend, grammar_key
+from sglang.srt.constrained.base_grammar_backend import grammar_key
+from sglang.srt.constrained.grammar_registry import create_grammar_backend
 from sglang.srt.managers.request_limits import request_length_error
 from sglang.srt.managers.request_state import RequestState
 from sglang.srt.managers.tokenizer_utils import load_tokenizer, max_input_bytes_per_token

@@ -82,16 +82,16 @@ class ModelRunner:
             self.cp_counter = CommCounter()
         self.cuda_graph_runner = None
         if self.cp_group is not None:
-            logger.info("context parallel over %d ranks (%s, page size %d): decode runs eagerly",
+            logger.info("context parallel over %d ranks (%s, page size %d)",
                         self.cp_group.world_size, sa.nsa_prefill_cp_mode, self.page_size)
-        elif self.device == "cuda" and not server_args.disable_cuda_graph:
-            if self.attn_backend.supports_cuda_graph:
-                from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+        from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_decision
 
-                self.cuda_graph_runner = CudaGraphRunner(self)
-            else:
-                logger.info("decode runs eagerly: the %s decode backend cannot be captured in CUDA graphs",
-                            server_args.nsa_decode_backend)
+        use_graphs, why_not = cuda_graph_decision(sa, self.attn_backend, self.model,
+                                                  context_parallel=self.cp_group is not None)
+        if use_graphs:
+            self.cuda_graph_runner = CudaGraphRunner(self)
+        else:
+            logger.info(why_not)
 
     # -- memory ---------------------------------------------------------------------------------
     def _make_kv_pool(self, size: int):

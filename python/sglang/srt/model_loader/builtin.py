@@ -1,7 +1,7 @@
 """``builtin:NAME`` model paths: tiny checkpoints materialised locally on first use.
 
 Nothing is ever downloaded. ``resolve_model_path("builtin:tiny-glm-moe-dsa")``
-builds the checkpoint with :mod:`sglang.srt.testing.tiny_models` into
+builds the checkpoint with :mod:`sglang.srt.model_loader.tiny_models` into
 ``$SGLANG_BUILTIN_CACHE/NAME-<hash>`` (default ``~/.cache/sglang/builtin``) and
 returns that directory; later calls (and other processes) reuse it. The hash
 covers the spec, the generator's source and the transformers version, so a code
@@ -26,12 +26,12 @@ CACHE_ENV = "SGLANG_BUILTIN_CACHE"
 DEFAULT_CACHE_DIR = "~/.cache/sglang/builtin"
 # Written last inside the build dir; a directory without it is never served.
 _MARKER = ".sglang_builtin.json"
-_TINY_MODELS_SOURCE = Path(__file__).resolve().parent.parent / "testing" / "tiny_models.py"
+_TINY_MODELS_SOURCE = Path(__file__).resolve().parent / "tiny_models.py"
 
 
 @dataclass(frozen=True)
 class BuiltinSpec:
-    """Arguments for :func:`sglang.srt.testing.tiny_models.make_tiny_checkpoint`."""
+    """Arguments for :func:`sglang.srt.model_loader.tiny_models.make_tiny_checkpoint`."""
 
     arch: str
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -141,7 +141,7 @@ def materialize_builtin(name: str) -> str:
         # Build next to the destination (same filesystem) so os.rename is atomic.
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache))
         try:
-            from sglang.srt.testing.tiny_models import make_tiny_checkpoint
+            from sglang.srt.model_loader.tiny_models import make_tiny_checkpoint
 
             with _offline():
                 make_tiny_checkpoint(

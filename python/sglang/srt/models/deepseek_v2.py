@@ -44,7 +44,7 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, yarn_softmax_scale_multiplier
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglang.srt.layers.attention.nsa.cp_backend import cp_all_gather_hidden, cp_collect_last_token_hidden
-from sglang.srt.layers.moe.token_dispatcher import create_dispatcher
+from sglang.srt.layers.moe.moe_registry import create_dispatcher
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 from sglang.srt.model_loader.weight_utils import check_weights_complete
 

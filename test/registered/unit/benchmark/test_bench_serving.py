@@ -233,7 +233,7 @@ def test_sample_random_requests_words():
 
 
 def test_sample_random_requests_tokenizer(tmp_path):
-    from sglang.srt.testing.tiny_models import build_tokenizer
+    from sglang.srt.model_loader.tiny_models import build_tokenizer
 
     tok = build_tokenizer(str(tmp_path / "tok"))
     reqs = bs.sample_random_requests(12, 48, 8, range_ratio=0.5, seed=0, tokenizer=str(tmp_path / "tok"))

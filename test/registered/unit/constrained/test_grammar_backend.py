@@ -18,9 +18,9 @@ pytest.importorskip("xgrammar")
 from sglang.srt.constrained.base_grammar_backend import (  # noqa: E402
     BaseGrammarBackend,
     InvalidGrammar,
-    create_grammar_backend,
     grammar_key,
 )
+from sglang.srt.constrained.grammar_registry import create_grammar_backend  # noqa: E402
 from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend  # noqa: E402
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sglang.srt.model_loader import builtin
-from sglang.srt.testing import tiny_models
-from sglang.srt.testing.tiny_models import build_tokenizer, make_tiny_checkpoint
+from sglang.srt.model_loader import tiny_models
+from sglang.srt.model_loader.tiny_models import build_tokenizer, make_tiny_checkpoint
 
 ARCH_CLASSES = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
@@ -66,7 +66,7 @@ def test_bit_identical_across_cpu_isa(checkpoints: dict[str, Path], tmp_path: Pa
         "PYTHONPATH": os.pathsep.join([str(Path(tiny_models.__file__).parents[3])] + sys.path),
     }
     subprocess.run(
-        [sys.executable, "-m", "sglang.srt.testing.tiny_models", "--arch", "deepseek_v32", "--out", str(out)],
+        [sys.executable, "-m", "sglang.srt.model_loader.tiny_models", "--arch", "deepseek_v32", "--out", str(out)],
         check=True,
         env=env,
         capture_output=True,

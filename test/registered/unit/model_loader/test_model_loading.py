@@ -34,7 +34,7 @@ from sglang.srt.testing.runner_utils import prefill_all_logits
 from sglang.srt.model_loader.loader import get_model
 from sglang.srt.model_loader.weight_utils import block_dequant_fp8, quantize_fp8_block
 from sglang.srt.models.registry import supported_architectures
-from sglang.srt.testing.tiny_models import make_tiny_checkpoint
+from sglang.srt.model_loader.tiny_models import make_tiny_checkpoint
 
 ARCHS = ["deepseek_v32", "glm_moe_dsa", "deepseek_v3"]
 DSA_ARCHS = ["deepseek_v32", "glm_moe_dsa"]

@@ -17,6 +17,8 @@ NVL_BUFFER_BYTES = 1 << 30
 
 
 class DeepEPDispatcher(BaseDispatcher):
+    supports_cuda_graph = False  # normal mode: the layout's counts size the receive buffers on the host
+
     def __init__(self, ep_group, num_experts: int) -> None:
         import deep_ep
 

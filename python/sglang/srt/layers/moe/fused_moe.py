@@ -1,8 +1,9 @@
 """FusedMoE: stacked expert weights + a dispatcher + the expert runner.
 
-Runners (--moe-runner-backend): "torch" loops over the routed experts on the host
-(fused_moe_native; the reference, and the CPU path), "triton" runs sgl_kernel.moe.fused_experts
-(on-device token->expert alignment and two grouped GEMMs; no host sync, graph-capturable).
+Runners (--moe-runner-backend, registered in moe_registry): "torch" loops over the routed experts
+on the host (fused_moe_native; the reference, and the CPU path; not graph-capturable), "triton" runs
+sgl_kernel.moe.fused_experts (on-device token->expert alignment and two grouped GEMMs; no host
+sync, graph-capturable).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
-from sglang.srt.layers.moe.fused_moe_native import fused_experts_native
+from sglang.srt.layers.moe.moe_registry import get_moe_runner
 from sglang.srt.layers.moe.token_dispatcher import BaseDispatcher, StandardDispatcher
 from sglang.srt.layers.moe.topk import TopKOutput
 
@@ -20,7 +21,7 @@ def set_moe_runner_backend(model: nn.Module, name: str) -> None:
     """Choose the expert runner of every FusedMoE in `model` (resolved name)."""
     for m in model.modules():
         if isinstance(m, FusedMoE):
-            m.runner_backend = name
+            m.set_runner(name)
 
 
 class FusedMoE(nn.Module):
@@ -54,11 +55,15 @@ class FusedMoE(nn.Module):
         self.tp_group = tp_group
         self.expert_offset = ep_group.rank * self.num_local_experts
         self.dispatcher = dispatcher or StandardDispatcher()
-        self.runner_backend = "torch"
+        self.set_runner("torch")
         self.w13_weight = nn.Parameter(
             torch.empty(self.num_local_experts, 2 * self.local_inter, hidden_size, dtype=dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(
             torch.empty(self.num_local_experts, hidden_size, self.local_inter, dtype=dtype), requires_grad=False)
+
+    def set_runner(self, name: str) -> None:
+        self.runner_backend = name
+        self.run_experts = get_moe_runner(name).load()
 
     def _tp_slice(self, w: torch.Tensor, dim: int) -> torch.Tensor:
         if self.tp_group.is_single:
@@ -95,10 +100,6 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         d = self.dispatcher.dispatch(hidden_states, topk)
-        if self.runner_backend == "triton":
-            from sgl_kernel.moe import fused_experts
-        else:
-            fused_experts = fused_experts_native
-        out = fused_experts(d.hidden_states, self.w13_weight, self.w2_weight, d.topk.topk_weights,
-                            d.topk.topk_ids, self.expert_offset)
+        out = self.run_experts(d.hidden_states, self.w13_weight, self.w2_weight, d.topk.topk_weights,
+                               d.topk.topk_ids, self.expert_offset)
         return self.dispatcher.combine(out, d)

@@ -4,6 +4,9 @@ A dispatcher moves (hidden, topk) to where the experts live and brings results b
 standard dispatcher keeps everything local (TP experts or a single rank); expert-parallel
 dispatchers (all-to-all over torch.distributed, DeepEP where installed) implement the same
 two calls. Rule: `combine(dispatch(x))` returns rows in the order and count of `x`.
+`supports_cuda_graph`: whether dispatch + combine keep every shape and value on the device (no
+host-read split sizes), so a decode step through them can be captured in a CUDA graph.
+Dispatchers are built by name through moe_registry.create_dispatcher.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ class DispatchOutput:
 
 
 class BaseDispatcher(ABC):
+    supports_cuda_graph: bool = False
+
     @abstractmethod
     def dispatch(self, hidden_states: torch.Tensor, topk: TopKOutput) -> DispatchOutput: ...
 
@@ -32,6 +37,8 @@ class BaseDispatcher(ABC):
 
 
 class StandardDispatcher(BaseDispatcher):
+    supports_cuda_graph = True  # nothing moves
+
     def dispatch(self, hidden_states: torch.Tensor, topk: TopKOutput) -> DispatchOutput:
         return DispatchOutput(hidden_states, topk)
 
@@ -46,6 +53,8 @@ class AllToAllDispatcher(BaseDispatcher):
     (the expert runner ignores ids outside its range); each rank returns the partial sums of its
     experts and the sender adds them up. The split sizes cross to the host once per layer, as in
     DeepEP's normal mode, so this path is not CUDA-graph capturable."""
+
+    supports_cuda_graph = False
 
     def __init__(self, ep_group, num_experts: int) -> None:
         self.group, self.num_local = ep_group, num_experts // ep_group.world_size
@@ -77,17 +86,3 @@ class AllToAllDispatcher(BaseDispatcher):
         self.elements_moved += back.numel()
         out = expert_output.new_zeros((n, expert_output.shape[-1]))
         return out.index_add_(0, send_idx, back)
-
-
-def create_dispatcher(kind: str, ep_group, num_experts: int) -> BaseDispatcher:
-    """`kind`: "local" (no EP, or EP under TP where every rank holds every token), "all_to_all",
-    or "deepep" (validated at start-up: the deep_ep package must be importable)."""
-    if kind == "local" or ep_group.world_size == 1:
-        return StandardDispatcher()
-    if kind == "all_to_all":
-        return AllToAllDispatcher(ep_group, num_experts)
-    if kind == "deepep":
-        from sglang.srt.layers.moe.deepep_dispatcher import DeepEPDispatcher
-
-        return DeepEPDispatcher(ep_group, num_experts)
-    raise ValueError(f"unknown MoE dispatcher {kind!r}")

@@ -1,4 +1,5 @@
-"""Tiny, deterministic, locally-built checkpoints for tests (no HF hub access).
+"""Tiny, deterministic, locally-built checkpoints: the `builtin:` models (model_loader/builtin.py)
+the server runs out of the box, and the tests' checkpoints (no HF hub access).
 
 The checkpoints use transformers' own config classes (``DeepseekV32Config``,
 ``GlmMoeDsaConfig``, ``DeepseekV3Config``) and ``save_pretrained``, so their
@@ -14,7 +15,7 @@ and IEEE basic arithmetic only), seeded per tensor name.
 
 CLI::
 
-    python -m sglang.srt.testing.tiny_models --arch glm_moe_dsa --out DIR \
+    python -m sglang.srt.model_loader.tiny_models --arch glm_moe_dsa --out DIR \
         [--seed N] [--dtype bfloat16] [--set num_hidden_layers=6 --set index_topk_freq=2]
 """
 

@@ -12,7 +12,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.testing.runner_utils import prefill_all_logits
-from sglang.srt.testing.tiny_models import make_tiny_checkpoint
+from sglang.srt.model_loader.tiny_models import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -113,12 +113,19 @@ def test_graph_runner_replays_padded_batches_like_eager(builtin_path):
     request (padding page), replays, and returns the first bs rows: equal to the eager forward."""
     engine = _engine(builtin_path("tiny-deepseek-v32"), 1, cuda_graph_max_bs=4, max_running_requests=4)
     mr = engine.scheduler.tp_worker.model_runner
+    # KV-pool layer-end hooks see eager forwards only: none during capture or replay
+    layer_ends = []
+    mr.token_to_kv_pool.register_layer_end_callback(layer_ends.append)
     runner = CudaGraphRunner(mr, EagerGraphBackend())
-    assert runner.capture_bs == [1, 2, 4]
+    assert runner.capture_bs == [1, 2, 4] and layer_ends == []
     fb = _decode_batch(engine, _prompts())  # bs 3 -> bucket 4
     assert runner.can_run(fb)
+    layer_ends.clear()
     eager = mr.forward(fb).next_token_logits.clone()
+    assert layer_ends == list(range(mr.model_config.num_kv_layers))
+    layer_ends.clear()
     got = runner.replay(fb).next_token_logits
+    assert layer_ends == []
     assert got.shape == eager.shape and torch.allclose(got, eager, atol=1e-5)
     buffers = runner.buffers[DECODE_SPEC].inputs
     pad = buffers["req_pool_indices"][3].item()

@@ -249,7 +249,10 @@ class CudaGraphRunner:
     def capture(self) -> None:
         for spec in self.specs:
             for bs in reversed(self.capture_bs):  # largest first: later graphs reuse its memory
-                self.capture_one(spec, bs)
+                # KV-pool layer-end hooks see eager forwards only: a replayed step runs no Python,
+                # so nothing a hook does at capture time may be expected to happen per replay.
+                with self.model_runner.token_to_kv_pool.suspend_layer_end_hooks():
+                    self.capture_one(spec, bs)
             logger.info("captured %s CUDA graphs for batch sizes %s", spec.name, self.capture_bs)
 
     def capture_one(self, spec: GraphSpec, bs: int) -> None:
@@ -286,7 +289,8 @@ class CudaGraphRunner:
         static = self.static_batches[key]
         self.model_runner.attn_backend.init_forward_metadata_replay_cuda_graph(static)
         out = self.outputs[key]
-        self.graph_backend.replay(self.graphs[key], lambda: self._run(static), out)
+        with self.model_runner.token_to_kv_pool.suspend_layer_end_hooks():  # the eager stand-in re-runs Python
+            self.graph_backend.replay(self.graphs[key], lambda: self._run(static), out)
         result = {}
         for name in spec.outputs:
             t = getattr(out, name)

@@ -26,6 +26,7 @@ from sglang.srt.model_executor.cuda_graph_runner import (
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
 HIDDEN, VOCAB, KV_SLOTS, PAD_SLOT = 3, 5, 64, 8
 VERIFY = GraphSpec("verify2", ForwardMode.EXTEND, tokens_per_req=2,
@@ -75,7 +76,7 @@ class FakeModel:
 def _model_runner(max_bs: int = 4):
     return SimpleNamespace(server_args=SimpleNamespace(cuda_graph_max_bs=max_bs), max_running_requests=PAD_SLOT,
                            device="cpu", req_to_token_pool=SimpleNamespace(padding_slot=PAD_SLOT),
-                           token_to_kv_pool=object(), attn_backend=FakeBackend(), model=FakeModel())
+                           token_to_kv_pool=MLATokenToKVPool(4, 1, torch.float32, 4, 2, 1), attn_backend=FakeBackend(), model=FakeModel())
 
 
 def _batch(mode: ForwardMode, n: int, reqs: list[int], prefix: list[int], seed: int = 0) -> ForwardBatch:

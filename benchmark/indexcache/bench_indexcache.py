@@ -120,7 +120,9 @@ def make_engine(path: str, freq: int, offset: int, args):
     engine = Engine(model_path=path, load_format="dummy", dtype=args.dtype, device=args.device,
                     nsa_index_topk_freq=freq, nsa_index_topk_offset=offset, nsa_index_k_dtype=args.index_k_dtype,
                     disable_radix_cache=True, chunked_prefill_size=-1, max_prefill_tokens=max_ctx,
-                    max_total_tokens=(max_ctx + args.decode_steps + 64) * args.decode_batch + 256, random_seed=0)
+                    max_total_tokens=(max_ctx + args.decode_steps + 64) * args.decode_batch + 256, random_seed=0,
+                    # steps are timed one by one (prefill vs decode, indexer share): no overlap
+                    disable_overlap_schedule=True)
     _submit(engine, [1, 2, 3], 2)
     _timed_steps(engine, args.device)  # warm-up
     return engine

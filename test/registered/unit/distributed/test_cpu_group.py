@@ -38,7 +38,7 @@ def _group() -> GroupCoordinator:
 def test_scheduler_control_broadcast_uses_the_cpu_group(broadcasts):
     from sglang.srt.managers.scheduler_process import SchedulerProcess
 
-    scheduler = SimpleNamespace(model_runner=SimpleNamespace(world_group=_group()))
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(world_group=_group()))
     proc = SchedulerProcess(scheduler, port_args=None, tp_rank=1)  # rank 1 opens no sockets
     assert proc.recv_requests(block=False) == ["from rank 0"]
     assert broadcasts.groups == [CPU_GROUP]

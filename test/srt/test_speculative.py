@@ -72,6 +72,9 @@ def test_greedy_equals_plain_with_random_right_and_wrong_drafts(engine_kw):
     assert worker.num_tokens_per_req == 4
     outs = spec.generate(input_ids=prompts, sampling_params=params, **gen)
     assert [_key(o) for o in outs] == [_key(o) for o in ref]
+    m = outs[0]["meta_info"]  # upstream's fields: completion tokens per verify step
+    assert m["spec_verify_ct"] > 0 and m["spec_accept_length"] == m["completion_tokens"] / m["spec_verify_ct"]
+    assert spec.scheduler.get_stats().avg_spec_accept_length == worker.avg_accept_length >= 1.0
     _whole(spec)
     targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
     for wrong in (False, True, "mixed"):
@@ -148,3 +151,43 @@ def test_checkpoint_without_mtp_layer_names_the_flags():
     with pytest.raises(ServerArgsError) as e:
         _engine(True, "builtin:tiny-deepseek-v32")
     assert e.value.flag == "speculative_algorithm" and "--speculative-draft-model-path" in str(e.value)
+
+
+def test_server_streams_equal_plain_and_report_accept_length():
+    """Through the HTTP server (official openai client): concurrent streamed completions with
+    speculation equal plain decoding; an aborted stream frees its slots; accept length is in
+    meta_info, /get_server_info and /metrics (sglang:spec_accept_length)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    import requests
+
+    from sglang.srt.testing.server import ServerProcess
+
+    prompts = [f"Request {i}: " + "alpha beta " * (i + 2) for i in range(8)]
+    plain = _engine(False)
+    ref = [plain.generate(p, {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})["text"] for p in prompts]
+    with ServerProcess(MODEL, "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
+                       "--max-total-tokens", "4096", "--enable-metrics", "--random-seed", "0") as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+
+        def stream(p: str) -> str:
+            chunks = client.completions.create(model="default", prompt=p, max_tokens=12, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in chunks)
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(stream, prompts)) == ref
+        body = {"text": prompts[0], "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}
+        meta = requests.post(server.base_url + "/generate", json=body, timeout=120).json()["meta_info"]
+        assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] >= 1.0
+        with client.completions.create(model="default", prompt="count:", max_tokens=2000, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True}) as s:
+            for i, _ in enumerate(s):
+                if i == 3:
+                    break  # the client goes away mid-stream
+        st = server.wait_idle()
+        assert st["kv_leak"] is None and st["kv_protected_tokens"] == 0
+        assert st["kv_free_tokens"] + st["kv_cached_tokens"] == st["kv_total_tokens"]
+        assert st["avg_spec_accept_length"] >= 1.0
+        assert "sglang:spec_accept_length" in requests.get(server.base_url + "/metrics", timeout=30).text

@@ -456,4 +456,5 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             kv_leak=self.kv_leak_report(),
             num_used_tokens=self.get_token_info()[0],
             gen_throughput=self.last_gen_throughput,
+            avg_spec_accept_length=getattr(self.tp_worker, "avg_accept_length", 0.0),
         )

@@ -18,6 +18,7 @@ from typing import Any, Callable
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 DEVICE_CHOICES = ["auto", "cpu", "cuda"]
 SCHEDULE_POLICIES = ["fcfs", "lpm"]
+SPECULATIVE_ALGORITHMS = ["EAGLE", "NEXTN"]
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 LOAD_FORMATS = ["auto", "safetensors", "dummy"]
 # Choices that name code live beside that code (import-light modules), so they cannot drift.
@@ -163,6 +164,19 @@ class ServerArgs:
                                         "nsa")
     mla_attn_path: str = _f("auto", "MLA formulation: auto (plain for prefill, absorbed for decode), "
                             "or force one (debug / equivalence tests).", "nsa", MLA_PATHS)
+
+    # -- speculative decoding (upstream's names) ------------------------------------------------
+    speculative_algorithm: str | None = _f(None, "Speculative decoding: EAGLE (the draft model's MTP/NextN layer "
+                                           "proposes tokens the target verifies) or NEXTN (the same, with the "
+                                           "checkpoint's own MTP layer). Greedy output equals plain decoding.",
+                                           "speculative", SPECULATIVE_ALGORITHMS)
+    speculative_draft_model_path: str | None = _f(None, "Checkpoint whose MTP layer drafts (default: the target "
+                                                  "checkpoint's own).", "speculative")
+    speculative_num_steps: int = _f(3, "Draft steps per verify.", "speculative")
+    speculative_eagle_topk: int = _f(1, "Draft candidates per step (1 = a chain; trees are not supported).",
+                                     "speculative")
+    speculative_num_draft_tokens: int | None = _f(None, "Tokens the target verifies per step (default and only "
+                                                  "value with topk 1: num_steps + 1).", "speculative")
 
     # -- structured outputs / custom logit processors ------------------------------------------
     grammar_backend: str = _f("xgrammar", "Grammar backend for json_schema / regex / ebnf / structural_tag "
@@ -410,6 +424,32 @@ def _check_endpoints(args: ServerArgs) -> None:
 
 
 _VALIDATORS.append(_check_endpoints)
+
+
+def _check_speculative(args: ServerArgs) -> None:
+    if args.speculative_algorithm is None:
+        for name in ("speculative_draft_model_path", "speculative_num_draft_tokens"):
+            if getattr(args, name) is not None:
+                raise ServerArgsError(name, "needs --speculative-algorithm")
+        return
+    _choice(args, "speculative_algorithm")
+    _positive(args, "speculative_num_steps", allow_none=False)
+    _positive(args, "speculative_eagle_topk", allow_none=False)
+    if args.speculative_eagle_topk != 1:
+        raise ServerArgsError("speculative_eagle_topk", "only 1 (a draft chain) is supported: tree drafts need a "
+                              "tree attention mask, which this server does not implement")
+    n = args.speculative_num_draft_tokens
+    if n is not None and n != args.speculative_num_steps + 1:
+        raise ServerArgsError("speculative_num_draft_tokens", f"must be --speculative-num-steps + 1 "
+                              f"({args.speculative_num_steps + 1}) with --speculative-eagle-topk 1, got {n}")
+    if args.enable_mixed_chunk:
+        raise ServerArgsError("enable_mixed_chunk", "is not supported with --speculative-algorithm (a verify step "
+                              "computes several rows per decoding request)")
+    if args.enable_nsa_prefill_context_parallel:
+        raise ServerArgsError("speculative_algorithm", "is not supported with context parallel yet")
+
+
+_VALIDATORS.append(_check_speculative)
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:

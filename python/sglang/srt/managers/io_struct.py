@@ -58,6 +58,7 @@ class SchedulerStats:
     kv_leak: str | None = None  # the idle-time invariant check (None = fine or busy)
     num_used_tokens: int = 0  # KV tokens held by requests (upstream's #token)
     gen_throughput: float = 0.0  # decode tokens/s over the last --decode-log-interval steps
+    avg_spec_accept_length: float = 0.0  # speculative decoding: tokens per request per verify step
 
 
 @dataclass
@@ -77,6 +78,7 @@ class ReqOutput:
     # return_hidden_states: entries to append to meta_info["hidden_states"] (upstream's shape: the
     # prompt's rows as one [prompt_len][H] entry, then one [H] row per later token fed to the model)
     hidden_states: list | None = None
+    spec_verify_ct: int = 0  # speculative decoding: verify steps the request took so far
     # Decoding settings the detokenizer needs (sent with every delta; small).
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

@@ -52,6 +52,9 @@ class RequestState:
                 self.meta.setdefault("output_top_logprobs", []).extend(_top_tuples(out.output_top_logprobs))
         if out.input_token_logprobs is not None:
             self._set_input_logprobs(out)
+        if out.spec_verify_ct:  # upstream's meta_info fields
+            self.meta["spec_verify_ct"] = out.spec_verify_ct
+            self.meta["spec_accept_length"] = out.completion_tokens / out.spec_verify_ct
         if out.hidden_states:
             self.meta.setdefault("hidden_states", []).extend(out.hidden_states)
         if out.finished_reason is not None:

@@ -90,6 +90,7 @@ class Req:
         self.kv_allocated_len = 0
         self.inflight = 0
         self.epoch = 0
+        self.spec_verify_ct = 0  # decode steps that verified draft tokens (speculative decoding)
         self.extend_input_len = 0  # tokens in the current extend step
         self.is_chunked = False  # prefill not finished (more chunks to come)
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)

@@ -43,7 +43,7 @@ from sglang.srt.managers.scheduler_output_processor import GenerationBatchResult
 from sglang.srt.mem_cache.base_prefix_cache import ChunkCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.managers.overlap_utils import FUTURE_TOKEN, Pending
-from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.managers.tp_worker import create_worker
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.utils.common import cdiv
 from sglang.srt.sampling.custom_logit_processor import CUSTOM_LOGIT_PROCESSOR_DISABLED
@@ -64,7 +64,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.model_config = model_config or model_config_from_server_args(server_args)
         torch.manual_seed(server_args.random_seed)
         self.tokenizer = tokenizer
-        self.tp_worker = worker = TpModelWorker(server_args, self.model_config, tp_group)
+        self.tp_worker = worker = create_worker(server_args, self.model_config, tp_group)
         self.device = server_args.device
         self.page_size = server_args.page_size
         self.req_to_token_pool = worker.req_to_token_pool
@@ -456,4 +456,5 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             kv_leak=self.kv_leak_report(),
             num_used_tokens=self.get_token_info()[0],
             gen_throughput=self.last_gen_throughput,
+            avg_spec_accept_length=getattr(self.tp_worker, "avg_accept_length", 0.0),
         )

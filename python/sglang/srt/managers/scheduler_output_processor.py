@@ -183,6 +183,8 @@ class SchedulerOutputProcessorMixin:
                 self.release_req(req)
                 outputs.append(self._make_output(req, []))
                 continue
+            if not is_prefill and rows > 1:
+                req.spec_verify_ct += 1
             new_ids = self._append_tokens(req, i, result)
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -238,6 +240,7 @@ class SchedulerOutputProcessorMixin:
             spaces_between_special_tokens=sp.spaces_between_special_tokens,
             no_stop_trim=sp.no_stop_trim,
             stop_strs=sp.stop_strs or None,
+            spec_verify_ct=req.spec_verify_ct,
         )
         if req.return_hidden_states and req.pending_hidden:
             out.hidden_states, req.pending_hidden = req.pending_hidden, []

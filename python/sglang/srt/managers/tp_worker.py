@@ -35,9 +35,12 @@ class TpModelWorker:
     supports_overlap = True
 
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig,
-                 tp_group: GroupCoordinator = SINGLE_GROUP) -> None:
+                 tp_group: GroupCoordinator = SINGLE_GROUP, extra_kv_bytes_per_token: int = 0) -> None:
+        """`extra_kv_bytes_per_token`: KV of runners that will share this worker's request slots (a
+        draft model), so one memory plan covers them all."""
         self.server_args = server_args
-        self.model_runner = ModelRunner(model_config, server_args, tp_group)
+        self.model_runner = ModelRunner(model_config, server_args, tp_group,
+                                        extra_kv_bytes_per_token=extra_kv_bytes_per_token)
         mr = self.model_runner
         self.device = server_args.device
         self.world_group = mr.world_group
@@ -88,3 +91,12 @@ class TpModelWorker:
 
     def shutdown(self) -> None:
         self.launcher.shutdown()
+
+
+def create_worker(server_args: ServerArgs, model_config: ModelConfig, tp_group: GroupCoordinator = SINGLE_GROUP):
+    """The worker the server's flags ask for: plain, or speculative (EAGLE / NEXTN)."""
+    if server_args.speculative_algorithm is not None:
+        from sglang.srt.speculative.eagle_worker import EAGLEWorker
+
+        return EAGLEWorker(server_args, model_config, tp_group)
+    return TpModelWorker(server_args, model_config, tp_group)

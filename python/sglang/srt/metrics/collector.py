@@ -57,6 +57,8 @@ class MetricsCollector:
         self.gen_throughput = g("sglang:gen_throughput", "Decode throughput (token/s) over the last "
                                 "--decode-log-interval decode steps")
         self.cache_hit_rate = g("sglang:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens")
+        self.spec_accept_length = g("sglang:spec_accept_length", "Speculative decoding: tokens produced per "
+                                    "request per verify step (1 = no draft accepted; 0 without speculation)")
 
     def observe_request(self, prompt_tokens: int) -> None:
         self.num_requests.labels(**self.labels).inc()
@@ -90,6 +92,7 @@ class MetricsCollector:
         self.kv_total.labels(**self.labels).set(stats.kv_total_tokens)
         self.gen_throughput.labels(**self.labels).set(stats.gen_throughput)
         self.cache_hit_rate.labels(**self.labels).set(stats.cache_hit_rate)
+        self.spec_accept_length.labels(**self.labels).set(stats.avg_spec_accept_length)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

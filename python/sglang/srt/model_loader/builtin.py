@@ -38,6 +38,7 @@ class BuiltinSpec:
     seed: int = 0
     dtype: str = "float32"
     description: str = ""
+    mtp_layer: bool = False
 
 
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
@@ -54,6 +55,14 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     ),
     "tiny-deepseek-v3": BuiltinSpec(
         arch="deepseek_v3", description="DeepseekV3ForCausalLM (dense MLA, no indexer), 4 layers"
+    ),
+    "tiny-deepseek-v32-mtp": BuiltinSpec(
+        arch="deepseek_v32", mtp_layer=True,
+        description="tiny-deepseek-v32 plus a NextN/MTP draft layer (--speculative-algorithm EAGLE / NEXTN)"
+    ),
+    "tiny-glm-moe-dsa-mtp": BuiltinSpec(
+        arch="glm_moe_dsa", mtp_layer=True, overrides={"index_topk_freq": 2, "index_skip_topk_offset": 2},
+        description="GlmMoeDsaForCausalLM with shared top-k layers and a NextN/MTP draft layer"
     ),
     "tiny-deepseek-v32-bf16": BuiltinSpec(
         arch="deepseek_v32", dtype="bfloat16", description="tiny-deepseek-v32 weights saved in bfloat16"
@@ -145,7 +154,8 @@ def materialize_builtin(name: str) -> str:
 
             with _offline():
                 make_tiny_checkpoint(
-                    str(tmp), arch=spec.arch, seed=spec.seed, dtype=spec.dtype, **spec.overrides
+                    str(tmp), arch=spec.arch, seed=spec.seed, dtype=spec.dtype, mtp_layer=spec.mtp_layer,
+                    **spec.overrides
                 )
             # mkdtemp / safetensors create 0700 / 0600; the cache may be shared.
             tmp.chmod(0o755)

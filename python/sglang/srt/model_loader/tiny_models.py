@@ -382,9 +382,13 @@ def make_tiny_checkpoint(
     arch: str = "deepseek_v32",
     seed: int = 0,
     dtype: str = "float32",
+    mtp_layer: bool = False,
     **overrides: Any,
 ) -> str:
     """Write a tiny random ``arch`` checkpoint plus tokenizer into ``out_dir``; return it.
+
+    ``mtp_layer``: also store a NextN / MTP draft layer (``model.layers.{num_hidden_layers}.*``,
+    ``num_nextn_predict_layers = 1``), as DeepSeek-V3.2 and GLM-5 checkpoints do.
 
     ``overrides`` update the default tiny config (e.g. ``num_hidden_layers=6``,
     ``index_topk_freq=4``, ``rope_parameters={...}``). The result depends only on the
@@ -430,8 +434,41 @@ def make_tiny_checkpoint(
 
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if mtp_layer:
+        _add_mtp_layer(out_dir, cfg.num_hidden_layers, seed)
     build_tokenizer(out_dir)
     return out_dir
+
+
+def _add_mtp_layer(out_dir: str, n_layers: int, seed: int) -> None:
+    """Append a random MTP layer shaped like the last decoder layer (plus enorm / hnorm / eh_proj /
+    shared_head.norm; embedding and head shared with the target, as DeepSeek's checkpoints do)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    files = sorted(f for f in os.listdir(out_dir) if f.endswith(".safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"expected one safetensors file in {out_dir}, found {files}")
+    path = os.path.join(out_dir, files[0])
+    tensors = load_file(path)
+    src, dst = f"model.layers.{n_layers - 1}.", f"model.layers.{n_layers}."
+    g = torch.Generator().manual_seed(seed + 1000)
+    for name in [k for k in tensors if k.startswith(src)]:
+        t = tensors[name]
+        noise = (torch.randn(t.shape, generator=g) * 0.02).to(t.dtype) if t.dtype.is_floating_point else 0
+        tensors[name.replace(src, dst, 1)] = (t + noise).contiguous()
+    h = tensors["model.norm.weight"].shape[0]
+    dt = tensors["model.norm.weight"].dtype
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{dst}{name}.weight"] = (1 + 0.1 * torch.randn(h, generator=g)).to(dt)
+    tensors[f"{dst}eh_proj.weight"] = (0.05 * torch.randn(h, 2 * h, generator=g)).to(dt)
+    save_file(tensors, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path) as f:
+        config = json.load(f)
+    config["num_nextn_predict_layers"] = 1
+    with open(cfg_path, "w") as f:
+        json.dump(config, f, indent=2)
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,222 @@
+"""EAGLEWorker: speculative decoding with the checkpoint's NextN / MTP layer as the draft.
+
+Behind the scheduler's worker seam (managers/tp_worker.py). Target and draft share the request ->
+token slot map and the allocator (one memory plan); each has its own KV pool, the draft's with its
+own NSA index-K buffer. A chain of `num_steps` drafts (topk 1) is verified in one target forward.
+
+Positions: at a decode step the target has KV for positions [0, c) of a request and its last token
+x (fill[c]) is on the device (the token table); the draft has KV for [0, c) too, and its proposal
+d1 for position c + 1 plus its last hidden state are kept per request slot. The scheduler
+allocates N = num_steps + 1 rows, positions [c, c + N).
+1. draft: d2..dS from S - 1 one-layer decode steps at positions c .. c + S - 2 (its own pool);
+2. verify: the target extends [x, d1..dS] at positions c .. c + S and picks a token per row (the
+   request's own sampler: greedy argmax, or a draw with the seed step plain decoding would use);
+   a = leading rows whose draft equals the target's pick; the step produces those a + 1 picks
+   and commits a + 1 rows (`accept_lens`); the scheduler frees the pages of the rest;
+3. draft extend: the draft recomputes positions c .. c + a from the target's hidden states and
+   the accepted tokens, which gives the next step's d1.
+Every produced token is the target's own pick given exactly the tokens before it, so greedy
+output equals plain decoding, and sampling keeps the target's distribution (accepting a draft only
+when it equals the target's draw is exact, if less eager than rejection sampling). Requests whose
+sampling needs host state of each step (grammars, penalties, custom processors, min_new_tokens)
+make their batch verify one row per request (no drafts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
+from sglang.srt.layers.sampler import Sampler
+from sglang.srt.managers.overlap_utils import FUTURE_TOKEN, Pending
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.scheduler_output_processor import BatchOutputCopy, GenerationBatchResult
+from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.model_runner import ModelRunner, kv_bytes_per_token
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.server_args import ServerArgs, ServerArgsError
+
+
+def draft_model_config(server_args: ServerArgs) -> ModelConfig:
+    """The draft's config: the MTP layer of --speculative-draft-model-path (default: the target)."""
+    sa = server_args
+    path = sa.speculative_draft_model_path or sa.model_path
+    mc = ModelConfig(path, sa.dtype, sa.context_length, sa.json_model_override_args, sa.trust_remote_code,
+                     is_draft_model=True)
+    if int(getattr(mc.hf_config, "num_nextn_predict_layers", 0) or 0) < 1:
+        flag = "speculative_draft_model_path" if sa.speculative_draft_model_path else "speculative_algorithm"
+        raise ServerArgsError(flag, f"--speculative-algorithm {sa.speculative_algorithm} drafts with the checkpoint's "
+                              f"MTP (NextN) layer, but {path} has none (num_nextn_predict_layers = 0); give "
+                              "--speculative-draft-model-path a checkpoint that has one")
+    return mc
+
+
+class EAGLEWorker:
+    supports_overlap = False  # the next step's positions depend on this step's acceptance
+
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig,
+                 tp_group: GroupCoordinator = SINGLE_GROUP) -> None:
+        sa = server_args
+        self.num_steps = sa.speculative_num_steps
+        self.num_tokens_per_req = self.num_steps + 1
+        self.draft_config = draft_model_config(sa)
+        self.target = TpModelWorker(sa, model_config, tp_group,
+                                    extra_kv_bytes_per_token=kv_bytes_per_token(self.draft_config, sa))
+        t = self.target.model_runner
+        # The draft runs its decode steps eagerly (its graphs would need the hidden-state input).
+        draft_args = dataclasses.replace(sa, disable_cuda_graph=True)
+        self.draft_runner = ModelRunner(self.draft_config, draft_args, tp_group,
+                                        req_to_token_pool=t.req_to_token_pool,
+                                        token_to_kv_pool_allocator=t.token_to_kv_pool_allocator,
+                                        max_total_num_tokens=t.max_total_num_tokens)
+        self.device = sa.device
+        slots = t.req_to_token_pool.size + 1
+        self.next_draft = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self.draft_hidden = torch.zeros(slots, self.draft_config.hf_config.hidden_size, dtype=model_config.dtype,
+                                        device=self.device)
+        self.sampler = Sampler()
+        self.vocab_size = model_config.vocab_size
+        # Test hook: fn(reqs, drafts [B, S]) -> drafts to verify instead (forcing right / wrong drafts).
+        self.draft_override = None
+        self.num_verify_steps = 0
+        self.num_accepted_drafts = 0
+
+    # -- what the scheduler reads (the target's) ----------------------------------------------------
+    model_runner = property(lambda self: self.target.model_runner)
+    world_group = property(lambda self: self.target.world_group)
+    token_table = property(lambda self: self.target.token_table)
+    req_to_token_pool = property(lambda self: self.target.req_to_token_pool)
+    token_to_kv_pool_allocator = property(lambda self: self.target.token_to_kv_pool_allocator)
+    max_total_num_tokens = property(lambda self: self.target.max_total_num_tokens)
+    max_running_requests = property(lambda self: self.target.max_running_requests)
+
+    @property
+    def avg_accept_length(self) -> float:
+        """Tokens produced per request per verify step (upstream's spec_accept_length)."""
+        return 1.0 + self.num_accepted_drafts / self.num_verify_steps if self.num_verify_steps else 0.0
+
+    def shutdown(self) -> None:
+        self.target.shutdown()
+
+    def forward_batch_generation(self, batch: ScheduleBatch) -> Pending:
+        if batch.forward_mode == ForwardMode.DECODE:
+            if any(r.needs_host_sampling_state() for r in batch.reqs):
+                return Pending(value=self._decode_without_drafts(batch))
+            return Pending(value=self._decode(batch))
+        return Pending(value=self._extend(batch))
+
+    # -- prefill --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _extend(self, batch: ScheduleBatch) -> BatchOutputCopy:
+        t = self.target
+        fb = t.build_forward_batch(batch)
+        fb.capture_hidden_mode = CaptureHiddenMode.FULL
+        lo = t.model_runner.forward(fb)
+        sample = t.model_runner.sample(lo, fb)
+        t.token_table.store(fb.req_pool_indices, sample.next_token_ids)
+        # Draft row j pairs the target's hidden state at j with the token at j + 1: the next prompt
+        # token, or for a request's last row the token just sampled (read from the token table).
+        ids = []
+        for req, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            ids += req.fill_slice(p + 1, p + e)
+            ids.append(FUTURE_TOKEN if p + e >= len(req.fill_ids()) else req.fill_ids()[p + e])
+        self._draft_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, ids, lo.hidden_states,
+                           batch.out_cache_loc)
+        return BatchOutputCopy(batch, fb, lo, sample)
+
+    def _draft_extend(self, reqs: list[Req], prefix_lens: list[int], extend_lens: list[int], ids,
+                      hidden: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [r.req_pool_idx for r in reqs], prefix_lens, extend_lens,
+                                out_cache_loc, device=self.device, capture_hidden_mode=CaptureHiddenMode.LAST,
+                                spec_hidden_states=hidden)
+        fb.input_ids = self.token_table.resolve(fb.input_ids, fb.req_pool_indices[fb.token_to_req])
+        lo = self.draft_runner.forward(fb)
+        self.next_draft[fb.req_pool_indices] = lo.next_token_logits.argmax(dim=-1)
+        self.draft_hidden[fb.req_pool_indices] = lo.hidden_states.to(self.draft_hidden.dtype)
+
+    # -- decode ---------------------------------------------------------------------------------------
+    def _draft_chain(self, reqs: list[Req], prefix_lens: list[int], loc: torch.Tensor,
+                     slots: torch.Tensor) -> torch.Tensor:
+        drafts = [self.next_draft[slots]]
+        hidden = self.draft_hidden[slots]
+        rows = [r.req_pool_idx for r in reqs]
+        for k in range(1, self.num_steps):
+            fb = ForwardBatch.build(ForwardMode.DECODE, drafts[-1], rows, [c + k - 1 for c in prefix_lens],
+                                    [1] * len(reqs), loc[:, k - 1], device=self.device,
+                                    capture_hidden_mode=CaptureHiddenMode.LAST, spec_hidden_states=hidden)
+            lo = self.draft_runner.forward(fb)
+            drafts.append(lo.next_token_logits.argmax(dim=-1))
+            hidden = lo.hidden_states
+        return torch.stack(drafts, dim=1)
+
+    def _row_sampling_info(self, reqs: list[Req], n: int) -> SamplingBatchInfo:
+        """One row per verified position: row j of a request draws with the seed step plain
+        decoding would use for that token."""
+        return SamplingBatchInfo.from_params(
+            [r.sampling_params for r in reqs for _ in range(n)], self.vocab_size, self.device,
+            output_ids=[r.output_ids for r in reqs for _ in range(n)],
+            seeds_step=[len(r.output_ids) + j for r in reqs for j in range(n)])
+
+    @torch.inference_mode()
+    def _decode(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        reqs, n, s = batch.reqs, self.num_tokens_per_req, self.num_steps
+        b, t = len(reqs), self.target
+        slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self.device)
+        loc = batch.out_cache_loc.view(b, n)
+        drafts = self._draft_chain(reqs, batch.prefix_lens, loc, slots)
+        if self.draft_override is not None:
+            drafts = self.draft_override(reqs, drafts).to(drafts)
+        ids = torch.cat([self.token_table.table[slots][:, None], drafts], dim=1).reshape(-1)
+        want_lp = any(r.return_logprob for r in reqs)
+        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [r.req_pool_idx for r in reqs], batch.prefix_lens, [n] * b,
+                                batch.out_cache_loc, device=self.device, return_all_logits=True,
+                                capture_hidden_mode=CaptureHiddenMode.FULL)
+        lo = t.model_runner.forward(fb)
+        nums = [r.top_logprobs_num for r in reqs for _ in range(n)]
+        sample = self.sampler(lo.full_logits, self._row_sampling_info(reqs, n), want_lp, nums if want_lp else None)
+        picks = sample.next_token_ids.view(b, n)
+        accepted = (drafts == picks[:, :s]).int().cumprod(dim=1).sum(dim=1)  # leading matches
+        t.token_table.store(slots, picks.gather(1, accepted[:, None]).squeeze(1))
+        acc = accepted.tolist()  # the step's one host read: the next extend's shapes depend on it
+        pick_rows = picks.tolist()
+        produced = [pick_rows[i][: a + 1] for i, a in enumerate(acc)]
+        keep = torch.tensor([i * n + j for i, a in enumerate(acc) for j in range(a + 1)], device=self.device)
+        self._draft_extend(reqs, batch.prefix_lens, [a + 1 for a in acc], [x for p in produced for x in p],
+                           lo.hidden_states[keep], batch.out_cache_loc[keep])
+        self.num_verify_steps += b
+        self.num_accepted_drafts += sum(acc)
+        res = GenerationBatchResult(next_token_ids=produced, accept_lens=[a + 1 for a in acc])
+        if want_lp:
+            lps = sample.next_token_logprobs.view(b, n).tolist()
+            res.next_token_logprobs = [lps[i][: a + 1] for i, a in enumerate(acc)]
+            if sample.top_logprobs is not None:
+                res.next_top_logprobs = [[list(zip(*sample.top_logprobs[i * n + j])) for j in range(a + 1)]
+                                         for i, a in enumerate(acc)]
+        return res
+
+    @torch.inference_mode()
+    def _decode_without_drafts(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        """One row per request through the scheduler's own sampling info (grammar masks, penalties,
+        custom processors), then the draft catches up on that row."""
+        reqs, n, b, t = batch.reqs, self.num_tokens_per_req, len(batch.reqs), self.target
+        one = ScheduleBatch(reqs, ForwardMode.DECODE)
+        one.prefix_lens, one.extend_lens = batch.prefix_lens, [1] * b
+        one.out_cache_loc = batch.out_cache_loc.view(b, n)[:, 0].contiguous()
+        one.input_ids, one.sampling_info = [FUTURE_TOKEN] * b, batch.sampling_info
+        fb = t.build_forward_batch(one)
+        t.resolve_input_ids(fb)
+        fb.capture_hidden_mode = CaptureHiddenMode.FULL
+        lo = t.model_runner.forward(fb)
+        sample = t.model_runner.sample(lo, fb)
+        t.token_table.store(fb.req_pool_indices, sample.next_token_ids)
+        self._draft_extend(reqs, one.prefix_lens, one.extend_lens, [FUTURE_TOKEN] * b, lo.hidden_states,
+                           one.out_cache_loc)
+        self.num_verify_steps += b
+        fb.capture_hidden_mode = CaptureHiddenMode.NULL  # hidden states were for the draft only
+        res = BatchOutputCopy(one, fb, lo, sample).to_host()
+        res.accept_lens = [1] * b
+        return res

@@ -159,3 +159,15 @@ def test_draft_runner_shares_request_slots_and_is_planned_with_the_target(tmp_pa
     assert all(target.token_to_kv_pool.kv_buffer[i][loc].abs().sum() == 0 for i in range(LAYERS))
     with pytest.raises(ValueError, match="allocator and max_total_num_tokens"):
         ModelRunner(draft_mc, sa, req_to_token_pool=target.req_to_token_pool)
+
+
+def test_nextn_model_takes_the_expert_parallel_options(tmp_path):
+    """get_model passes ep_group / moe_dispatch to every model class under --ep-size > 1; the draft
+    layer takes them too (its MoE is built with them)."""
+    from sglang.srt.distributed.parallel_state import SINGLE_GROUP
+    from sglang.srt.model_loader.loader import get_model
+
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), arch="deepseek_v32", num_hidden_layers=LAYERS, mtp_layer=True)
+    model = get_model(ModelConfig(path, "float32", is_draft_model=True), "cpu", SINGLE_GROUP,
+                      ep_group=SINGLE_GROUP, moe_dispatch="local")
+    assert model.model.decoder.mlp.experts is not None

@@ -38,7 +38,7 @@ class _SharedHead(nn.Module):
 
 class DeepseekModelNextN(nn.Module):
     def __init__(self, config, target_arch: type, max_position: int, tp_group: GroupCoordinator = SINGLE_GROUP,
-                 dtype=None) -> None:
+                 dtype=None, ep_group: GroupCoordinator = SINGLE_GROUP, moe_dispatch: str = "local") -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, tp_group, dtype=dtype)
@@ -46,7 +46,8 @@ class DeepseekModelNextN(nn.Module):
         self.hnorm = RMSNorm(h, eps=eps)
         self.eh_proj = ReplicatedLinear(2 * h, h, dtype=dtype)
         self.decoder = DeepseekV2DecoderLayer(config, config.num_hidden_layers, target_arch, max_position, tp_group,
-                                              dtype, is_nextn=True, kv_layer_id=0)
+                                              dtype, is_nextn=True, kv_layer_id=0, ep_group=ep_group,
+                                              moe_dispatch=moe_dispatch)
         self.shared_head = _SharedHead(h, eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
@@ -66,12 +67,14 @@ class _NextNMixin:
     target_arch: type = DeepseekV2ForCausalLM
 
     def __init__(self, config, max_position: int | None = None, tp_group: GroupCoordinator = SINGLE_GROUP,
-                 dtype=None) -> None:
+                 dtype=None, ep_group: GroupCoordinator = SINGLE_GROUP, moe_dispatch: str = "local") -> None:
+        """`ep_group` / `moe_dispatch`: expert parallelism, as get_model passes it to the target."""
         nn.Module.__init__(self)
         self.config = config
         self.num_layers = config.num_hidden_layers
         max_position = max_position or config.max_position_embeddings
-        self.model = DeepseekModelNextN(config, self.target_arch, max_position, tp_group, dtype)
+        self.model = DeepseekModelNextN(config, self.target_arch, max_position, tp_group, dtype, ep_group,
+                                        moe_dispatch)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group, dtype=dtype)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 

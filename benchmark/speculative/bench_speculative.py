@@ -1,0 +1,153 @@
+"""Speculative decoding (EAGLE / NEXTN on the MTP layer) vs plain decoding, in one run.
+
+Random weights accept (almost) nothing, so both ends are measured with the draft forced:
+- `wrong`: every draft rejected -- the cost of a step that drafts and verifies for nothing
+  (issue 19's goal: at most 20% slower than plain);
+- `right`: the draft proposes the target's own tokens (taken from the plain run) -- every draft
+  accepted, `num_steps + 1` tokens per verify (goal on the H200: >= 2.5x plain at batch 1,
+  >= 1.8x at batch 16);
+- `natural`: the draft as it is (random weights: reported, not a goal).
+Decode throughput = batch x new tokens / wall time of generate (prefill included, as plain's).
+Plain and each speculative mode alternate per repeat; medians. JSON + a plot + a table.
+
+    python benchmark/speculative/bench_speculative.py                      # CPU, builtin MTP model
+    python benchmark/speculative/bench_speculative.py --device cuda --model-path DIR_WITH_MTP --load-format dummy
+    python benchmark/speculative/bench_speculative.py --smoke             # seconds: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+MODES = ("natural", "wrong", "right")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(engine, prompts, sp, device: str) -> tuple[float, list]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = engine.generate(input_ids=prompts, sampling_params=sp)
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def _override(targets: dict, wrong: bool):
+    def fn(reqs, drafts):
+        rows = []
+        for r in reqs:
+            full = targets[tuple(r.origin_input_ids)] + [5] * (drafts.shape[1] + 1)
+            k = len(r.output_ids)
+            rows.append([(t + 1) % 1000 if wrong else t for t in full[k:k + drafts.shape[1]]])
+        return torch.tensor(rows)
+    return fn
+
+
+def run(args) -> dict:
+    from sglang.srt.entrypoints.engine import Engine
+
+    common = dict(model_path=args.model_path, device=args.device, dtype=args.dtype, load_format=args.load_format,
+                  random_seed=0, disable_radix_cache=True, max_total_tokens=args.max_total_tokens)
+    plain = Engine(**common)
+    spec = Engine(**common, speculative_algorithm="EAGLE", speculative_num_steps=args.num_steps)
+    worker = spec.scheduler.tp_worker
+    vocab = plain.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    result = {"batches": {}}
+    for bs in args.batch_sizes:
+        prompts = torch.randint(5, min(vocab, 1000), (bs, args.prompt_len), generator=g).tolist()
+        sp = {"temperature": 0, "max_new_tokens": args.gen_len, "ignore_eos": True}
+        _timed(plain, prompts, sp, args.device)  # warm-up (and the oracle for the forced drafts)
+        _, ref = _timed(plain, prompts, sp, args.device)
+        targets = {tuple(p): o["output_ids"] for p, o in zip(prompts, ref)}
+        times = {"plain": []} | {m: [] for m in MODES}
+        accept = {}
+        for m in MODES:
+            worker.draft_override = None if m == "natural" else _override(targets, m == "wrong")
+            _timed(spec, prompts, sp, args.device)  # warm-up of this mode
+        for _ in range(args.repeats):
+            times["plain"].append(_timed(plain, prompts, sp, args.device)[0])
+            for m in MODES:
+                worker.draft_override = None if m == "natural" else _override(targets, m == "wrong")
+                worker.num_verify_steps = worker.num_accepted_drafts = 0
+                t, out = _timed(spec, prompts, sp, args.device)
+                if [o["output_ids"] for o in out] != [o["output_ids"] for o in ref]:
+                    raise SystemExit(f"speculative output differs from plain ({m}, bs {bs})")
+                times[m].append(t)
+                accept[m] = worker.avg_accept_length
+        med = {k: statistics.median(v) for k, v in times.items()}
+        row = {"tok_s": {k: bs * args.gen_len / v for k, v in med.items()}, "seconds": med,
+               "accept_length": accept,
+               "speedup": {m: med["plain"] / med[m] for m in MODES}}
+        result["batches"][bs] = row
+        print(f"  bs {bs}: {json.dumps(row)}", file=sys.stderr, flush=True)
+    return result
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bss = sorted(result["batches"], key=int)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / (len(MODES) + 1)
+    for j, name in enumerate(("plain",) + MODES):
+        ys = [result["batches"][b]["tok_s"][name] for b in bss]
+        ax.bar([i + j * width for i in range(len(bss))], ys, width, label=name)
+    ax.set_xticks([i + width * len(MODES) / 2 for i in range(len(bss))], [f"bs {b}" for b in bss])
+    ax.set_ylabel("decode tok/s (generate)")
+    ax.set_title(f"speculative (num_steps {result['num_steps']}) vs plain, {result['device_name']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default="builtin:tiny-deepseek-v32-mtp")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-steps", type=int, default=3)
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--gen-len", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-total-tokens", type=int, default=32768)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (checks the script, not speed)")
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = p.parse_args()
+    if args.smoke:
+        args.batch_sizes, args.prompt_len, args.gen_len, args.repeats = "1,2", 8, 8, 1
+    args.batch_sizes = [int(x) for x in str(args.batch_sizes).split(",")]
+    result = {"model": args.model_path, "num_steps": args.num_steps, "prompt_len": args.prompt_len,
+              "gen_len": args.gen_len, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "date": time.strftime("%Y-%m-%d"), **run(args)}
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"speculative_{args.device}" + ("_smoke" if args.smoke else ""))
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    try:
+        plot(result, stem + ".png")
+    except ImportError:
+        print("matplotlib not installed: JSON only", file=sys.stderr)
+    print(f"{'bs':>4s} {'plain tok/s':>12s} " + " ".join(f"{m + ' tok/s':>14s} {'x':>5s} {'acc':>4s}" for m in MODES))
+    for bs, row in result["batches"].items():
+        print(f"{bs:>4} {row['tok_s']['plain']:12.1f} " + " ".join(
+            f"{row['tok_s'][m]:14.1f} {row['speedup'][m]:5.2f} {row['accept_length'][m]:4.1f}" for m in MODES))
+
+
+if __name__ == "__main__":
+    main()

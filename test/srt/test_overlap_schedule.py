@@ -1,7 +1,7 @@
 """Overlap scheduling (issue 18 item 3) against the synchronous loop on the same inputs.
 
 Overlap prepares and launches step n+1 before step n's results are processed (on CPU the forward
-runs on a worker thread, so this really runs concurrently); decode input ids come from the device
+runs on a worker thread here, SGLANG_CPU_OVERLAP_THREAD=1, so this really runs concurrently); decode input ids come from the device
 token table. Equivalence: identical output ids, finish reasons, usage and logprobs with overlap on
 and off, for batched, EOS / stop-string / max_tokens finishes, chunked + mixed prefill, grammars,
 seeded sampling, penalties (which wait for the previous step), hidden states and retraction; a
@@ -21,6 +21,13 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
 MODEL = "builtin:tiny-deepseek-v32"
+
+
+@pytest.fixture(autouse=True)
+def forward_thread(monkeypatch):
+    """On CPU the overlapped loop runs the forward on a worker thread here (opt-in for users: it is
+    slower for small models), so these tests exercise real concurrency."""
+    monkeypatch.setenv("SGLANG_CPU_OVERLAP_THREAD", "1")
 
 
 def _engine(overlap: bool, **kw) -> Engine:

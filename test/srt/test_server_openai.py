@@ -19,7 +19,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 def server(request):
     """Every case runs against the overlap scheduler (the default) and --disable-overlap-schedule."""
     extra = ["--disable-overlap-schedule"] if request.param == "sync" else []
-    with ServerProcess(MODEL, *ARGS, *extra) as s:
+    env = {"SGLANG_CPU_OVERLAP_THREAD": "1"}  # overlap with the forward on a worker thread (CPU)
+    with ServerProcess(MODEL, *ARGS, *extra, env=env) as s:
         yield s
 
 

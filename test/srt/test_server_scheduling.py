@@ -27,7 +27,8 @@ def _kv_whole(server: ServerProcess) -> dict:
 def server(request):
     """Every case runs against the overlap scheduler (the default) and --disable-overlap-schedule."""
     extra = ["--disable-overlap-schedule"] if request.param == "sync" else []
-    with ServerProcess(MODEL, "--max-total-tokens", str(CAPACITY), "--random-seed", "0", *extra) as s:
+    env = {"SGLANG_CPU_OVERLAP_THREAD": "1"}  # overlap with the forward on a worker thread (CPU)
+    with ServerProcess(MODEL, "--max-total-tokens", str(CAPACITY), "--random-seed", "0", *extra, env=env) as s:
         yield s
 
 

@@ -10,9 +10,11 @@ possible without a device->host round trip between steps:
   sampled ids (`store`) right after sampling. Both are stream-ordered (or, on a CPU worker thread,
   ordered by the single thread), so step n+1 reads what step n wrote.
 - A launcher: `InlineLauncher` runs the forward on the caller's thread (CUDA: kernels are queued
-  asynchronously and `result()` waits for the step's copy-done event; CPU with several ranks:
-  collectives must stay on one thread); `ThreadLauncher` runs it on one worker thread, so the CPU
-  exercises the same overlapped loop as a GPU.
+  asynchronously and `result()` waits for the step's copy-done event; CPU: the forward simply
+  runs at launch); `ThreadLauncher` runs it on one worker thread (CPU, one rank, with
+  SGLANG_CPU_OVERLAP_THREAD=1: the tests use it so the overlapped loop runs really concurrently).
+  Not the CPU default: the forward of a small model is Python-bound, the GIL serialises the two
+  threads and OpenMP workers spinning beside the scheduler's thread made steps ~2x slower.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Generic, TypeVar
 
 import torch
+
+from sglang.srt.utils.common import get_bool_env
 
 FUTURE_TOKEN = -1  # an input id the device fills in from LastTokenTable
 
@@ -78,9 +82,9 @@ class ThreadLauncher:
 
 
 def make_launcher(device: str, world_size: int, overlap: bool) -> InlineLauncher | ThreadLauncher:
-    """A worker thread only where it adds overlap and is safe: one CPU rank. On CUDA the device
-    queue gives the overlap; with several CPU ranks every collective must be issued from the
-    scheduler's thread (control messages and model collectives share the process groups)."""
-    if overlap and torch.device(device).type == "cpu" and world_size == 1:
+    """A worker thread only when asked and safe: one CPU rank. On CUDA the device queue gives the
+    overlap; with several CPU ranks every collective must be issued from the scheduler's thread."""
+    if (overlap and torch.device(device).type == "cpu" and world_size == 1
+            and get_bool_env("SGLANG_CPU_OVERLAP_THREAD")):
         return ThreadLauncher()
     return InlineLauncher()

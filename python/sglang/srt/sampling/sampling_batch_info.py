@@ -35,6 +35,13 @@ from sglang.srt.sampling.sampling_params import SAMPLING_EPS, SamplingParams
 _MASK64 = (1 << 64) - 1
 
 
+def _upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """One host->device copy: pinned and non_blocking on CUDA (a no-op on CPU)."""
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -154,17 +161,19 @@ class SamplingBatchInfo:
         min_ps = [float(p.min_p) for p in params]
         sampled = [not g for g in greedy]
 
-        def f32(x: list[float]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.float32, device=device)
-
+        # The per-row tensors every step needs, uploaded in one pinned non_blocking copy: a pageable
+        # upload per tensor would wait for the device queue and undo the overlap scheduler's work.
+        # (top_k <= vocab size < 2^24 is exact in fp32.)
+        packed = _upload(torch.tensor([temps, top_ps, min_ps, [float(k) for k in top_ks],
+                                       [float(g) for g in greedy]], dtype=torch.float32).reshape(5, bs), device)
         info = cls(
             vocab_size=vocab_size,
             device=device,
-            temperatures=f32(temps).view(-1, 1),
-            top_ps=f32(top_ps),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=f32(min_ps),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperatures=packed[0].view(-1, 1),
+            top_ps=packed[1],
+            top_ks=packed[3].to(torch.int64),
+            min_ps=packed[2],
+            is_greedy=packed[4] > 0,
             is_all_greedy=all(greedy),
             need_top_p_sampling=any(s and p < 1.0 for s, p in zip(sampled, top_ps)),
             need_top_k_sampling=any(s and k < vocab_size for s, k in zip(sampled, top_ks)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -21,7 +22,8 @@ from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
 from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_bytes, token_text
 from sglang.srt.function_call.utils import get_json_schema_constraint
 from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
-from sglang.srt.parser.reasoning_parser import reasoning_enabled
+from sglang.srt.constrained.base_grammar_backend import grammar_key
+from sglang.srt.parser.reasoning_parser import reasoning_enabled, think_end_token
 
 MAX_TOP_LOGPROBS = 20
 
@@ -64,7 +66,18 @@ class ChatHandler(OpenAIServingBase):
         except RequestError as e:
             e.param = "tool_choice" if mode == "json_array" and e.param == "json_schema" else req.grammar_param(e.param)
             raise
+        if grammar_key(sp_obj) is not None and self.thinks(req):
+            # Upstream's reasoner grammar: free until the think block ends, then the grammar.
+            sp_obj.think_end_ids = self.think_end_ids
         return [(base, (f"{rid}-{j}" if req.n > 1 else (req.rid or rid), ids, sp_obj), 0) for j in range(req.n)]
+
+    def thinks(self, req: ChatCompletionRequest) -> bool:
+        """The model thinks before answering (whether or not the reasoning is separated)."""
+        return bool(self.reasoning_parser) and reasoning_enabled(self.reasoning_parser, req.template_kwargs())
+
+    @functools.cached_property
+    def think_end_ids(self) -> list[int]:
+        return self.tm.tokenizer.encode(think_end_token(self.reasoning_parser), add_special_tokens=False)
 
     @staticmethod
     def _tool_choice_dict(req: ChatCompletionRequest) -> Any:

@@ -239,8 +239,8 @@ class GuardMiddleware:
         return await self._counted(scope, receive, send)
 
     def _too_large(self):
-        return error_response(f"request body larger than --max-payload-size ({self.max_payload_size} bytes)", 413,
-                              param="max_payload_size")
+        return error_response(f"Payload Too Large: the request body is larger than --max-payload-size "
+                              f"({self.max_payload_size} bytes)", 413, param="max_payload_size")
 
     async def _counted(self, scope, receive, send):
         """A body without Content-Length (chunked): count it as it arrives."""

@@ -64,8 +64,10 @@ class ChatHandler(OpenAIServingBase):
         try:
             rid, ids, sp_obj = await self.tm.prepare(base)
         except RequestError as e:
-            e.param = "tool_choice" if mode == "json_array" and e.param == "json_schema" else req.grammar_param(e.param)
-            raise
+            if mode == "json_array" and e.param == "json_schema":
+                e.param = "tool_choice"
+                raise
+            raise req.client_error(e) from None
         if grammar_key(sp_obj) is not None and self.thinks(req):
             # Upstream's reasoner grammar: free until the think block ends, then the grammar.
             sp_obj.think_end_ids = self.think_end_ids

@@ -254,6 +254,8 @@ class ResponsesHandler:
             chat_req, messages = self.to_chat(req)
             items = await self.chat._build(chat_req)
         except RequestError as e:
+            if e.param == "max_completion_tokens":  # the chat request's name for max_output_tokens
+                e.param = "max_output_tokens"
             return request_error_response(e)
         if req.stream:
             for _, (prid, _, _), _ in items:

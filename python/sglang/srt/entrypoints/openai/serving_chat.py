@@ -28,6 +28,12 @@ from sglang.srt.parser.reasoning_parser import reasoning_enabled, think_end_toke
 MAX_TOP_LOGPROBS = 20
 
 
+def last_token_hidden(hidden: list) -> list:
+    """Upstream's streamed chat hidden states: the last generated token's row ([] when only the
+    prompt's block is there)."""
+    return hidden[-1] if len(hidden) > 1 else []
+
+
 class ChatHandler(OpenAIServingBase):
     def __init__(self, tm, served_model_name: str, reasoning_parser: str | None = None,
                  tool_call_parser: str | None = None) -> None:
@@ -215,9 +221,12 @@ class ChatHandler(OpenAIServingBase):
                               "finish_reason": fr if last else None}
                     if last and fr is not None:
                         choice["matched_stop"] = matched_stop_of(meta)
-                        if "hidden_states" in meta:
-                            choice["hidden_states"] = meta["hidden_states"]
                     yield chunk([choice], [meta])
+            for idx in sorted(finals):  # upstream: one more chunk per choice, after its finish
+                hidden = finals[idx]["meta_info"].get("hidden_states")
+                if hidden is not None:
+                    yield chunk([{"index": idx, "delta": {"hidden_states": last_token_hidden(hidden)},
+                                  "logprobs": None, "finish_reason": None}])
             if opts and opts.include_usage:
                 usage = usage_of(list(finals.values()))
                 if self.reasoning_parser:

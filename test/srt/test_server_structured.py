@@ -264,6 +264,55 @@ def test_processor_with_a_grammar_that_it_violates_is_an_abort_not_a_crash(serve
     generate(server, {"text": "still serving", "sampling_params": {"max_new_tokens": 2}})
 
 
+CLIENT_MODULE = """
+import torch
+from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+FORCED = 7  # a module-level global the method reads
+
+
+def helper_offset():
+    return 1
+
+
+class ForceFromParams(CustomLogitProcessor):
+    def __init__(self):
+        super().__init__()  # the __class__ cell refers to the class sent by value
+
+    def __call__(self, logits, custom_param_list=None):
+        logits[:] = float("-inf")
+        for row, params in enumerate(custom_param_list or []):
+            logits[row, params.get("token", FORCED) + self.offset()] = 0.0
+        return logits
+
+    @staticmethod
+    def offset():
+        return 0
+"""
+
+
+def test_processor_from_a_module_the_server_cannot_import(server, tmp_path, monkeypatch):
+    """Issue 22 item 5: a class from a client-only module (a test file, a notebook's package) is
+    sent by value, so the server runs it instead of answering "No module named ..."."""
+    import importlib
+    import sys
+
+    (tmp_path / "client_only_procs_22.py").write_text(CLIENT_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # this process only: the server cannot import it
+    mod = importlib.import_module("client_only_procs_22")
+    try:
+        proc = mod.ForceFromParams.to_str()
+    finally:
+        sys.modules.pop("client_only_procs_22", None)
+    for token in (None, 11):
+        params = {} if token is None else {"token": token}
+        r = requests.post(server.base_url + "/generate", timeout=TIMEOUT, json={
+            "text": "x", "custom_logit_processor": proc,
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True, "custom_params": params}})
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == [token or mod.FORCED] * 3
+
+
 def test_bad_processor_is_a_400(server):
     for bad in ("not a processor", json.dumps({"callable": "00"})):
         r = requests.post(server.base_url + "/generate", timeout=TIMEOUT,

@@ -2,6 +2,7 @@
 bad flags fail at start-up naming the flag; a dead child process takes the server down."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -141,8 +142,9 @@ def test_metrics(server):
                  "sglang:time_to_first_token_seconds_bucket", "sglang:time_per_output_token_seconds_bucket",
                  "sglang:token_usage", "sglang:cache_hit_rate", "sglang:max_total_num_tokens",
                  "sglang:num_used_tokens", "sglang:gen_throughput", "sglang:inter_token_latency_seconds_bucket",
-                 "sglang:num_aborted_requests_total"):
+                 "sglang:num_aborted_requests_total", "sglang:num_grammar_queue_reqs"):
         assert name in text, name
+    assert re.search(r'^sglang:num_grammar_queue_reqs\{model_name="[^"]+"\} 0\.0$', text, re.M), text  # idle
 
 
 def _launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -58,6 +58,7 @@ class SchedulerStats:
     kv_leak: str | None = None  # the idle-time invariant check (None = fine or busy)
     num_used_tokens: int = 0  # KV tokens held by requests (upstream's #token)
     gen_throughput: float = 0.0  # decode tokens/s over the last --decode-log-interval steps
+    num_grammar_queue_reqs: int = 0  # of num_waiting_reqs, those waiting for their grammar to compile
 
 
 @dataclass

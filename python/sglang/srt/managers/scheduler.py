@@ -456,4 +456,5 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             kv_leak=self.kv_leak_report(),
             num_used_tokens=self.get_token_info()[0],
             gen_throughput=self.last_gen_throughput,
+            num_grammar_queue_reqs=len(self.grammar_manager),
         )

@@ -323,6 +323,37 @@ def test_bad_processor_is_a_400(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "custom_logit_processor", r.text
 
 
+def test_missing_xgrammar_is_a_warning_then_400s(tmp_path):
+    """Issue 22 item 7: on a machine without the xgrammar package the server starts (a warning),
+    serves plain requests, and refuses each grammar request with a 400 naming its field."""
+    import os
+
+    import openai
+
+    fake = tmp_path / "no_xgrammar" / "xgrammar"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('xgrammar is not installed (simulated)')\n")
+    path = os.pathsep.join(p for p in (str(fake.parent), os.environ.get("PYTHONPATH")) if p)
+    with ServerProcess(MODEL, "--max-total-tokens", "2048", "--log-level", "warning", env={"PYTHONPATH": path},
+                       timeout=TIMEOUT) as s:
+        assert "needs the xgrammar package" in s.log()
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused")
+        msgs = [{"role": "user", "content": "hi"}]
+        assert client.chat.completions.create(model="default", messages=msgs, max_tokens=3).choices[0].message
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        for kw, param in [({"response_format": {"type": "json_object"}}, "response_format"),
+                          ({"extra_body": {"regex": "a+"}}, "regex"),
+                          ({"tools": [tool], "tool_choice": "required"}, "tool_choice")]:
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="default", messages=msgs, max_tokens=3, **kw)
+            assert e.value.body["param"] == param and "xgrammar" in e.value.body["message"], e.value.body
+        r = requests.post(s.base_url + "/generate", timeout=TIMEOUT,
+                          json={"text": "x", "sampling_params": {"max_new_tokens": 2, "ebnf": 'root ::= "a"'}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "ebnf", r.text
+        assert requests.post(s.base_url + "/generate", timeout=TIMEOUT, json={
+            "text": "x", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+
+
 @pytest.fixture(scope="module")
 def server_none():
     with ServerProcess(MODEL, "--max-total-tokens", "2048", "--grammar-backend", "none", timeout=TIMEOUT) as s:

@@ -1,19 +1,40 @@
 #!/usr/bin/env bash
-# Device runs (see /work/.library/device): bash scripts/device_check.sh STEP...
+# GPU check for any machine with an NVIDIA GPU and a CUDA build of torch (H100 / H200 class for the
+# benchmarks' shapes). From the repository root:
+#   bash scripts/device_check.sh [--install] [STEP...]        (default steps: parity bench-v32)
+#   --install          first `pip install -e "./python[test]" -e ./sgl-kernel` from the package index
+#                      (keeps the machine's CUDA torch: the package only asks for torch>=2.11)
+#   WHEEL_DIR=DIR      instead, install the wheels in DIR without network (default: .whl/ if it has any)
+#   OUT=DIR            where the step outputs go (default ./device_check_out)
+# Steps:
 #   gpu-tests: kernel tests compiled, the Triton model path + CUDA graphs + no-sync guard, parity vs transformers
-#   bench-kernels: MLA / indexer / top-k / fused MoE kernels vs the H200's copy and matmul ceilings
+#   parity: our model on cuda vs transformers on cpu;  server: the HTTP server on the GPU vs the offline Engine
+#   bench-kernels / bench-attn: MLA / indexer / top-k / fused MoE kernels vs the GPU's copy and matmul ceilings
 #   bench-e2e: engine vs transformers generate (V3.2 and GLM-5 shapes);  bench-v32 / bench-glm: IndexCache
-# Pure-Python wheels the GPU image lacks (transformers 5.23, fastapi, uvicorn, pyzmq, openai, ...)
-# travel in .whl/ (carry it).
+# Everything runs on builtin tiny models or random weights of the real shapes: no download, no checkpoint.
 set -uo pipefail
+cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if [ "${1:-}" = "--install" ]; then
+  shift
+  python3 -m pip install -e "./python[test]" -e ./sgl-kernel || { echo "install failed" >&2; exit 1; }
+fi
+WHEEL_DIR=${WHEEL_DIR:-.whl}
+if ls "$WHEEL_DIR"/*.whl >/dev/null 2>&1; then  # pure-Python wheels an offline GPU image lacks
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEEL_DIR"/*.whl
   export PYTHONPATH=/tmp/site:$PWD/python:$PWD/sgl-kernel
 else
-  export PYTHONPATH=$PWD/python:$PWD/sgl-kernel
+  export PYTHONPATH=$PWD/python:$PWD/sgl-kernel${PYTHONPATH:+:$PYTHONPATH}
 fi
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-$PWD/device_check_out}; mkdir -p "$OUT"
+if ! command -v nvidia-smi >/dev/null || ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "device_check needs an NVIDIA GPU (nvidia-smi) and a CUDA build of torch (torch.cuda.is_available())" >&2
+  exit 2
+fi
+for mod in transformers fastapi uvicorn zmq openai pytest triton; do
+  python3 -c "import $mod" 2>/dev/null || { echo "missing Python package '$mod': run with --install" >&2; exit 2; }
+done
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 steps=${*:-parity bench-v32}

@@ -103,6 +103,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shots, asked = lines[:args.num_shots], lines[args.num_shots:args.num_shots + args.num_questions]
     if not asked:
         raise SystemExit(f"{args.data_path}: no questions left after {args.num_shots} shots")
+    if len(asked) < args.num_questions:  # say so: the bundled fixture is small
+        print(f"note: --num-questions {args.num_questions}, but {args.data_path} has only {len(asked)} questions "
+              f"after the {args.num_shots} shots: asking {len(asked)} (use --data-path with the full GSM8K test "
+              "set for more)", file=sys.stderr)
     few_shot = build_few_shot_prompt(shots, args.num_shots)
     labels = [parse_answer_label(x["answer"]) for x in asked]
     host = args.host if "://" in args.host else f"http://{args.host}"

@@ -643,7 +643,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token")
     p.add_argument("--tokenizer", default=None,
                    help="local HF tokenizer dir: exact-length random token prompts and local token counts")
-    p.add_argument("--output-file", default=None, help="write the results JSON here")
+    p.add_argument("--output-file", default=None,
+                   help="write the results JSON here; default (as upstream): a file named after the run in the "
+                        "current directory, bench_serving_<MMDD-HHMMSS>_<num prompts>_<input len>_<output len>.json")
     p.add_argument("--plot", default=None, help="PNG path; default: next to --output-file (.png)")
     p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -654,6 +656,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_output_file(args: argparse.Namespace) -> str:
+    """Upstream writes the results even without --output-file: a name made of the run's shape."""
+    stamp = time.strftime("%m%d-%H%M%S")
+    return (f"bench_serving_{stamp}_{args.num_prompts}_{args.random_input_len}_"
+            f"{args.random_output_len}.json")
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
@@ -662,6 +671,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     result = asyncio.run(run_benchmark(args))
     print(format_summary(result))
+    if not args.output_file:
+        args.output_file = default_output_file(args)
     if args.output_file:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_file)), exist_ok=True)
         with open(args.output_file, "w", encoding="utf-8") as f:

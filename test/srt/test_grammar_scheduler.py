@@ -73,7 +73,7 @@ def test_compiling_grammar_delays_nobody_and_abort_releases_it(scheduler):
     with _Gate(s.grammar_manager.grammar_backend) as gate:
         assert submit(s, "g1", regex=r"\d{2}-(yes|no)", max_new=16) == []
         assert [r.rid for r in s.grammar_manager.grammar_queue] == ["g1"] and s.has_work()
-        assert s.get_stats().num_waiting_reqs == 1
+        assert (s.get_stats().num_waiting_reqs, s.get_stats().num_grammar_queue_reqs) == (1, 1)
         submit(s, "plain", max_new=6, ignore_eos=True)
         run_until(s, lambda: outs.get("plain", {}).get("finish") is not None, outs)
         assert len(outs["plain"]["ids"]) == 6 and [r.rid for r in s.grammar_manager.grammar_queue] == ["g1"]

@@ -225,6 +225,36 @@ def test_return_hidden_states_shape_and_engine_equality(server, tok):
     assert r.status_code == 400 and r.json()["error"]["param"] == "return_hidden_states"
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_hidden_states_in_streams(client, n):
+    """Upstream's client test: a streamed chat carries the hidden states in `delta.hidden_states`,
+    one chunk per choice after its finish (the last generated token's row); a streamed completion
+    on the finishing choice; none without return_hidden_states."""
+    h = _hidden_size()
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    for want in (False, True):
+        found = []
+        for ch in client.chat.completions.create(model=SERVED, messages=msgs, max_tokens=6, temperature=0, n=n,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"return_hidden_states": want, "ignore_eos": True}):
+            for c in ch.choices:
+                if hasattr(c.delta, "hidden_states"):
+                    assert c.delta.hidden_states is not None and c.finish_reason is None
+                    found.append((c.index, c.delta.hidden_states))
+        if not want:
+            assert found == []
+            continue
+        assert sorted(i for i, _ in found) == list(range(n))
+        assert all(len(hs) == h and isinstance(hs[0], float) for _, hs in found)
+        done = client.chat.completions.create(model=SERVED, messages=msgs, max_tokens=6, temperature=0,
+                                              extra_body={"return_hidden_states": True, "ignore_eos": True})
+        assert found[0][1] == pytest.approx(done.choices[0].model_extra["hidden_states"][-1], abs=1e-5)
+    found = [c.hidden_states for ch in client.completions.create(
+        model=SERVED, prompt=["The capital of France is", "x"], max_tokens=4, temperature=0, n=n, stream=True,
+        extra_body={"return_hidden_states": True}) for c in ch.choices if hasattr(c, "hidden_states")]
+    assert len(found) == 2 * n and all(hs for hs in found)
+
+
 # -- metrics + stats logs ------------------------------------------------------------------------------
 def _metrics(server) -> dict[str, dict]:
     """{sample name: {'value': v, 'labels': ...}} for every sample of every sglang: family."""

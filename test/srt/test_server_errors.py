@@ -2,6 +2,7 @@
 bad flags fail at start-up naming the flag; a dead child process takes the server down."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,7 +41,16 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
     ("/v1/completions", {"model": "default", "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "default", "prompt": "x", "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", {"model": "default", "prompt": "x", "max_tokens": -5}, 400, "max_new_tokens"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "default", "prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 5000}, 400, "max_completion_tokens"),
+    ("/v1/responses", {"model": "default", "input": "x", "max_output_tokens": -1}, 400, "max_output_tokens"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400, "max_new_tokens"),
     ("/v1/completions", {"model": "default", "prompt": "x", "n": 0}, 400, "n"),
     ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}], "n": 2**31}, 400, "n"),
     ("/v1/completions", {"model": "default", "prompt": "x", "logprobs": 99}, 400, "logprobs"),
@@ -86,7 +96,28 @@ def test_hidden_states_need_the_flag(server):
 def test_oversized_body_is_413(server):
     r = requests.post(server.base_url + "/v1/completions", headers={**_auth(), "content-type": "application/json"},
                       data=b" " * (33 * 2**20))
-    assert r.status_code == 413
+    assert r.status_code == 413 and "Payload Too Large" in r.json()["error"]["message"], r.text
+    _ok(server)
+
+
+def test_length_errors_use_upstreams_words(server):
+    """SGLang clients match on upstream's texts; ours keep the token counts and the OpenAI code."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="sk-test")
+    msgs = [{"role": "user", "content": "hello"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="default", prompt="word " * 5000, max_tokens=1)
+    err = e.value.body
+    assert "is longer than the model's context length" in err["message"] and "tokens" in err["message"]
+    assert (err["param"], err["code"]) == ("prompt", "context_length_exceeded")
+    for kw, field in [({"max_tokens": 5000}, "max_tokens"), ({"max_completion_tokens": 5000}, "max_completion_tokens")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="default", messages=msgs, **kw)
+        err = e.value.body
+        assert "max_completion_tokens is too large: 5000" in err["message"], err
+        assert (err["param"], err["code"]) == (field, "context_length_exceeded")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default", messages=msgs, max_completion_tokens=-1)
+    assert e.value.body["message"].startswith("max_completion_tokens must be >= 0"), e.value.body
     _ok(server)
 
 
@@ -111,8 +142,9 @@ def test_metrics(server):
                  "sglang:time_to_first_token_seconds_bucket", "sglang:time_per_output_token_seconds_bucket",
                  "sglang:token_usage", "sglang:cache_hit_rate", "sglang:max_total_num_tokens",
                  "sglang:num_used_tokens", "sglang:gen_throughput", "sglang:inter_token_latency_seconds_bucket",
-                 "sglang:num_aborted_requests_total"):
+                 "sglang:num_aborted_requests_total", "sglang:num_grammar_queue_reqs"):
         assert name in text, name
+    assert re.search(r'^sglang:num_grammar_queue_reqs\{model_name="[^"]+"\} 0\.0$', text, re.M), text  # idle
 
 
 def _launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

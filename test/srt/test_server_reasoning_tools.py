@@ -251,9 +251,16 @@ def test_responses_create_retrieve_and_continue(client, tok):
     assert follow.output_text == "6." and follow.usage.input_tokens > r.usage.input_tokens
     items = client.responses.input_items.list(r.id)
     assert items.data and items.data[0].type == "message"
+    u = r.usage.model_dump()  # upstream's names beside OpenAI's
+    assert (u["prompt_tokens"], u["completion_tokens"]) == (u["input_tokens"], u["output_tokens"])
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
+    # a previous_response_id that is unknown (deleted) or malformed: 400 with a code (OpenAI, upstream)
+    for pid, code in [(r.id, "previous_response_not_found"), ("not-an-id", "invalid_value")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="default", input="x", previous_response_id=pid, max_output_tokens=2)
+        assert (e.value.body["param"], e.value.body["code"]) == ("previous_response_id", code), e.value.body
 
 
 def test_responses_function_call_and_stream(client, tok):

@@ -264,6 +264,55 @@ def test_processor_with_a_grammar_that_it_violates_is_an_abort_not_a_crash(serve
     generate(server, {"text": "still serving", "sampling_params": {"max_new_tokens": 2}})
 
 
+CLIENT_MODULE = """
+import torch
+from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+FORCED = 7  # a module-level global the method reads
+
+
+def helper_offset():
+    return 1
+
+
+class ForceFromParams(CustomLogitProcessor):
+    def __init__(self):
+        super().__init__()  # the __class__ cell refers to the class sent by value
+
+    def __call__(self, logits, custom_param_list=None):
+        logits[:] = float("-inf")
+        for row, params in enumerate(custom_param_list or []):
+            logits[row, params.get("token", FORCED) + self.offset()] = 0.0
+        return logits
+
+    @staticmethod
+    def offset():
+        return 0
+"""
+
+
+def test_processor_from_a_module_the_server_cannot_import(server, tmp_path, monkeypatch):
+    """Issue 22 item 5: a class from a client-only module (a test file, a notebook's package) is
+    sent by value, so the server runs it instead of answering "No module named ..."."""
+    import importlib
+    import sys
+
+    (tmp_path / "client_only_procs_22.py").write_text(CLIENT_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # this process only: the server cannot import it
+    mod = importlib.import_module("client_only_procs_22")
+    try:
+        proc = mod.ForceFromParams.to_str()
+    finally:
+        sys.modules.pop("client_only_procs_22", None)
+    for token in (None, 11):
+        params = {} if token is None else {"token": token}
+        r = requests.post(server.base_url + "/generate", timeout=TIMEOUT, json={
+            "text": "x", "custom_logit_processor": proc,
+            "sampling_params": {"max_new_tokens": 3, "ignore_eos": True, "custom_params": params}})
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == [token or mod.FORCED] * 3
+
+
 def test_bad_processor_is_a_400(server):
     for bad in ("not a processor", json.dumps({"callable": "00"})):
         r = requests.post(server.base_url + "/generate", timeout=TIMEOUT,
@@ -272,6 +321,37 @@ def test_bad_processor_is_a_400(server):
     r = requests.post(server.base_url + "/generate", timeout=TIMEOUT,
                       json={"text": ["x", "y"], "custom_logit_processor": ["a"]})  # wrong list length
     assert r.status_code == 400 and r.json()["error"]["param"] == "custom_logit_processor", r.text
+
+
+def test_missing_xgrammar_is_a_warning_then_400s(tmp_path):
+    """Issue 22 item 7: on a machine without the xgrammar package the server starts (a warning),
+    serves plain requests, and refuses each grammar request with a 400 naming its field."""
+    import os
+
+    import openai
+
+    fake = tmp_path / "no_xgrammar" / "xgrammar"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('xgrammar is not installed (simulated)')\n")
+    path = os.pathsep.join(p for p in (str(fake.parent), os.environ.get("PYTHONPATH")) if p)
+    with ServerProcess(MODEL, "--max-total-tokens", "2048", "--log-level", "warning", env={"PYTHONPATH": path},
+                       timeout=TIMEOUT) as s:
+        assert "needs the xgrammar package" in s.log()
+        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused")
+        msgs = [{"role": "user", "content": "hi"}]
+        assert client.chat.completions.create(model="default", messages=msgs, max_tokens=3).choices[0].message
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        for kw, param in [({"response_format": {"type": "json_object"}}, "response_format"),
+                          ({"extra_body": {"regex": "a+"}}, "regex"),
+                          ({"tools": [tool], "tool_choice": "required"}, "tool_choice")]:
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model="default", messages=msgs, max_tokens=3, **kw)
+            assert e.value.body["param"] == param and "xgrammar" in e.value.body["message"], e.value.body
+        r = requests.post(s.base_url + "/generate", timeout=TIMEOUT,
+                          json={"text": "x", "sampling_params": {"max_new_tokens": 2, "ebnf": 'root ::= "a"'}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "ebnf", r.text
+        assert requests.post(s.base_url + "/generate", timeout=TIMEOUT, json={
+            "text": "x", "sampling_params": {"max_new_tokens": 2}}).status_code == 200
 
 
 @pytest.fixture(scope="module")

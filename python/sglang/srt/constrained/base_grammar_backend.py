@@ -174,6 +174,26 @@ class BaseGrammarBackend:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
+class UnavailableGrammar(InvalidGrammar):
+    """What every grammar of an UnavailableGrammarBackend resolves to."""
+
+    def error_message(self) -> str:
+        return f"sampling_params.{self.field} cannot be served: {self.message}"
+
+
+class UnavailableGrammarBackend(BaseGrammarBackend):
+    """The configured backend's package is missing: nothing compiles, every grammar request is
+    refused (a cached `UnavailableGrammar`, so the tokenizer manager answers 400 naming the field
+    and the scheduler aborts with 400), and requests without a grammar are served as usual."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(max_workers=1)
+        self.message = message
+
+    def get_cached_or_future_value(self, key: tuple[str, str]) -> tuple[Any, bool]:
+        return UnavailableGrammar(key[0], self.message), True
+
+
 def _resolve_copy(src: Future, dst: Future) -> None:
     """Each waiter gets its own matcher: the shared compiled value is copied per request."""
     try:

@@ -7,7 +7,9 @@ rank 0, and under TP the other ranks take rank 0's list (waiting for the same co
 slower), so every rank admits the same requests in the same step. Under TP every grammar request
 goes through the queue, cache hit or not: each rank has its own cache, and a compile that already
 finished on one rank may still run on another, so "hit" is not the same decision on every rank. A grammar that did not compile
-(or not within GRAMMAR_TIMEOUT_S) finishes its request with a 400 abort naming the field.
+(or not within GRAMMAR_TIMEOUT_S) finishes its request with a 400 abort naming the field. A request
+that thinks first (`sampling_params.think_end_ids`) gets its matcher wrapped in a
+ReasonerGrammarObject: unconstrained until the end of its think block.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from concurrent.futures import Future
 
 from sglang.srt.constrained import STRUCTURED_OUTPUTS_DISABLED
 from sglang.srt.constrained.base_grammar_backend import BaseGrammarBackend, InvalidGrammar, grammar_key
+from sglang.srt.constrained.reasoner_grammar_backend import maybe_reasoner
 
 GRAMMAR_TIMEOUT_S = 300.0  # upstream's SGLANG_GRAMMAR_TIMEOUT default
 GRAMMAR_POLL_S = 0.02  # how long an otherwise idle scheduler waits for a compiling grammar
@@ -53,7 +56,7 @@ class GrammarManager:
         if isinstance(value, InvalidGrammar):
             req.finished_reason = FINISH_ABORT(value.error_message(), 400)
         else:
-            req.grammar = value
+            req.grammar = maybe_reasoner(value, req.sampling_params)
         return False
 
     def get_ready_grammar_requests(self) -> list:
@@ -81,7 +84,7 @@ class GrammarManager:
                 req.grammar = None
                 req.finished_reason = FINISH_ABORT(value.error_message(), 400)
             else:
-                req.grammar = value
+                req.grammar = maybe_reasoner(value, req.sampling_params)
             out.append(req)
         taken = set(ready)
         self.grammar_queue = [r for i, r in enumerate(self.grammar_queue) if i not in taken]

@@ -28,6 +28,7 @@ from sglang.srt.entrypoints.openai.protocol import (
 from sglang.srt.entrypoints.openai.serving_chat import ChatHandler
 from sglang.srt.entrypoints.openai.serving_completions import CompletionHandler
 from sglang.srt.entrypoints.openai.serving_responses import ResponsesHandler, ResponsesRequest
+from sglang.srt.entrypoints.openai.serving_score import OpenAIServingScore, ScoringRequest
 from sglang.srt.entrypoints.openai.serving_base import CLIENT_CLOSED_REQUEST
 from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingDetokenize, OpenAIServingTokenize
 from sglang.srt.entrypoints.openai.utils import SSE_DONE, abort_error, error_response, request_error_response, sse
@@ -57,6 +58,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     chat = ChatHandler(tm, served, server_args.reasoning_parser, server_args.tool_call_parser)
     responses = ResponsesHandler(chat)
     tokenize, detokenize = OpenAIServingTokenize(tm, served), OpenAIServingDetokenize(tm, served)
+    score = OpenAIServingScore(tm, served)
 
     @app.on_event("startup")
     async def _start() -> None:
@@ -108,6 +110,10 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     @app.post("/detokenize")
     async def v1_detokenize(raw: Request):
         return await detokenize.handle(await read_model(raw, DetokenizeRequest))
+
+    @app.post("/v1/score")
+    async def v1_score(raw: Request):
+        return await score.handle(await read_model(raw, ScoringRequest))
 
     @app.post("/v1/completions")
     async def v1_completions(raw: Request):
@@ -239,8 +245,8 @@ class GuardMiddleware:
         return await self._counted(scope, receive, send)
 
     def _too_large(self):
-        return error_response(f"request body larger than --max-payload-size ({self.max_payload_size} bytes)", 413,
-                              param="max_payload_size")
+        return error_response(f"Payload Too Large: the request body is larger than --max-payload-size "
+                              f"({self.max_payload_size} bytes)", 413, param="max_payload_size")
 
     async def _counted(self, scope, receive, send):
         """A body without Content-Length (chunked): count it as it arrives."""

@@ -59,6 +59,7 @@ class SchedulerStats:
     num_used_tokens: int = 0  # KV tokens held by requests (upstream's #token)
     gen_throughput: float = 0.0  # decode tokens/s over the last --decode-log-interval steps
     avg_spec_accept_length: float = 0.0  # speculative decoding: tokens per request per verify step
+    num_grammar_queue_reqs: int = 0  # of num_waiting_reqs, those waiting for their grammar to compile
 
 
 @dataclass

@@ -23,10 +23,18 @@ def request_length_error(n_input: int, max_new_tokens: int | None, context_len: 
     total = n_input + (max_new_tokens or 0)
     many = "at least " if at_least else ""
     if total > context_len:
+        # Upstream SGLang's words (clients match on them), with our token counts.
+        if n_input >= context_len:
+            return LengthError(
+                f"The input ({many}{n_input} tokens) is longer than the model's context length ({context_len} "
+                f"tokens). This model's maximum context length is {context_len} tokens. However, you requested "
+                f"{many}{total} tokens ({many}{n_input} in the prompt, {max_new_tokens or 0} for the completion).",
+                "prompt", "context_length_exceeded")
         return LengthError(
-            f"This model's maximum context length is {context_len} tokens. However, you requested "
-            f"{many}{total} tokens ({many}{n_input} in the prompt, {max_new_tokens or 0} for the completion).",
-            "prompt" if n_input >= context_len else "max_tokens", "context_length_exceeded")
+            f"max_completion_tokens is too large: {max_new_tokens}. This model's maximum context length is "
+            f"{context_len} tokens. However, you requested {many}{total} tokens ({many}{n_input} in the prompt, "
+            f"{max_new_tokens} for the completion); at most {context_len - n_input} completion tokens fit.",
+            "max_new_tokens", "context_length_exceeded")
     if n_input + 1 > max_total_tokens - page_size:
         return LengthError(f"the prompt ({many}{n_input} tokens) cannot fit in the KV cache ({max_total_tokens} "
                            "tokens)", "prompt", "context_length_exceeded")

@@ -457,4 +457,5 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             num_used_tokens=self.get_token_info()[0],
             gen_throughput=self.last_gen_throughput,
             avg_spec_accept_length=getattr(self.tp_worker, "avg_accept_length", 0.0),
+            num_grammar_queue_reqs=len(self.grammar_manager),
         )

@@ -50,6 +50,8 @@ class MetricsCollector:
         self.e2e = h("sglang:e2e_request_latency_seconds", "End-to-end request latency")
         self.num_running = g("sglang:num_running_reqs", "Requests running in the scheduler")
         self.num_waiting = g("sglang:num_queue_reqs", "Requests waiting in the scheduler")
+        self.num_grammar_queue = g("sglang:num_grammar_queue_reqs",
+                                   "Requests waiting for their grammar to compile (counted in num_queue_reqs too)")
         self.num_used = g("sglang:num_used_tokens", "KV cache tokens held by requests")
         self.kv_usage = g("sglang:token_usage", "KV cache tokens held by requests / capacity (the prefix cache's "
                           "evictable tokens count as free)")
@@ -87,6 +89,7 @@ class MetricsCollector:
     def observe_scheduler(self, stats) -> None:
         self.num_running.labels(**self.labels).set(stats.num_running_reqs)
         self.num_waiting.labels(**self.labels).set(stats.num_waiting_reqs)
+        self.num_grammar_queue.labels(**self.labels).set(stats.num_grammar_queue_reqs)
         self.num_used.labels(**self.labels).set(stats.num_used_tokens)
         self.kv_usage.labels(**self.labels).set(stats.num_used_tokens / max(stats.kv_total_tokens, 1))
         self.kv_total.labels(**self.labels).set(stats.kv_total_tokens)

@@ -238,6 +238,11 @@ def reasoning_enabled(parser_name: str, chat_template_kwargs: dict[str, Any] | N
     return detector_class.thinking_default if value is None else bool(value)
 
 
+def think_end_token(parser_name: str) -> str:
+    """The marker that closes this parser's reasoning block (`</think>`, Kimi's `◁/think▷`)."""
+    return _detector_class(parser_name).think_end_token
+
+
 def make_reasoning_parser(
     parser_name: str,
     chat_template_kwargs: dict[str, Any] | None,

@@ -20,6 +20,7 @@ only for trusted clients.
 from __future__ import annotations
 
 import json
+import types
 from abc import ABC, abstractmethod
 from functools import lru_cache
 from typing import Any
@@ -47,15 +48,60 @@ class CustomLogitProcessor(ABC):
 
     @classmethod
     def to_str(cls) -> str:
-        """Upstream's wire format: JSON {"callable": <hex of dill.dumps(cls)>}."""
+        """Upstream's wire format: JSON {"callable": <hex of dill.dumps(cls)>}. A class from any
+        module but this package's own is serialised by value (its methods' code and the globals
+        they name), so one defined in a test module or a notebook runs on a server that cannot
+        import that module; what those globals reference (torch, helpers) is pickled as dill
+        does (modules and importable functions by name)."""
         import dill
 
-        return json.dumps({"callable": dill.dumps(cls).hex()})
+        if _package_module(cls.__module__) or cls.__module__ == "__main__":
+            return json.dumps({"callable": dill.dumps(cls).hex()})  # by reference / dill's by value
+        return json.dumps({"callable": dill.dumps(_by_value_copy(cls), recurse=True).hex()})
 
     @classmethod
     def from_str(cls, json_str: str) -> "CustomLogitProcessor":
         """An instance of the serialised class (the class is deserialised once per string)."""
         return _cache_from_str(json_str)()
+
+
+def _package_module(name: str) -> bool:
+    return name == "sglang" or name.startswith("sglang.")
+
+
+def _by_value_copy(cls: type) -> type:
+    """A twin of `cls` made of fresh objects (same code, names and module), so that dill, which
+    pickles a class or function by reference only when its module attribute resolves to that very
+    object, pickles the twin by value. `super()` in its methods refers to the twin."""
+    cells: list = []
+
+    def fresh(v):
+        if isinstance(v, staticmethod):
+            return staticmethod(fresh(v.__func__))
+        if isinstance(v, classmethod):
+            return classmethod(fresh(v.__func__))
+        if isinstance(v, property):
+            return property(*(fresh(f) if f is not None else None for f in (v.fget, v.fset, v.fdel)), v.__doc__)
+        if not isinstance(v, types.FunctionType):
+            return v
+        closure = v.__closure__
+        if closure is not None and "__class__" in v.__code__.co_freevars:
+            at = v.__code__.co_freevars.index("__class__")
+            cell = types.CellType()
+            cells.append(cell)
+            closure = closure[:at] + (cell,) + closure[at + 1:]
+        f = types.FunctionType(v.__code__, v.__globals__, v.__name__, v.__defaults__, closure)
+        f.__kwdefaults__, f.__qualname__, f.__module__, f.__doc__ = (v.__kwdefaults__, v.__qualname__,
+                                                                     v.__module__, v.__doc__)
+        f.__dict__.update(v.__dict__)
+        return f
+
+    ns = {k: fresh(v) for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    twin = type(cls)(cls.__name__, cls.__bases__, ns)
+    twin.__qualname__, twin.__module__ = cls.__qualname__, cls.__module__
+    for cell in cells:
+        cell.cell_contents = twin
+    return twin
 
 
 def load_custom_logit_processor(json_str: Any) -> CustomLogitProcessor:

@@ -55,6 +55,9 @@ class SamplingParams:
     # Derived by normalize(): longest stop string, in tokens (chars without a tokenizer); the
     # detokenizer holds back this much text before streaming so a stop string is never leaked.
     stop_str_max_len: int = field(default=0, init=False, repr=False, compare=False)
+    # Set by the chat handler (never by the client) when the request thinks before its grammar
+    # applies: the end-of-think marker's token ids (constrained/reasoner_grammar_backend.py).
+    think_end_ids: list[int] | None = field(default=None, init=False, repr=False, compare=False)
 
     # -- construction -------------------------------------------------------------------------
     @classmethod

@@ -364,3 +364,13 @@ def test_connection_error_is_a_failed_request():
     assert all(r["status"] is None and r["error"] for r in result["requests"])
     text = bs.format_summary(result)
     assert "Failed requests:" in text and "n/a" in text
+
+
+def test_results_json_written_without_output_file(fresh, tmp_path, monkeypatch):
+    """As upstream: no --output-file still writes the results, named after the run, in the cwd."""
+    monkeypatch.chdir(tmp_path)
+    fixture = _write_fixture(tmp_path / "p.jsonl", [{"prompt": f"request {i}"} for i in range(3)])
+    bs.main(["--base-url", fresh.base_url, "--dataset-name", "fixture", "--dataset-path", fixture,
+             "--num-prompts", "3", "--random-output-len", "4", "--disable-tqdm", "--no-plot", "--api-key", "sk-test"])
+    (out,) = tmp_path.glob("bench_serving_*_3_128_4.json")
+    assert json.loads(out.read_text())["summary"]["completed"] == 3

@@ -194,6 +194,7 @@ def test_script_openai_result_file_api_key(stub: Stub, tmp_path: Path) -> None:
     assert f"Accuracy: {correct / n:.3f}" in p.stdout and f"Invalid: {invalid / n:.3f}" in p.stdout
     assert f"Questions: {n}" in p.stdout and "Latency:" in p.stdout and "Output throughput:" in p.stdout
     assert "gsm8k" in p.stderr  # tqdm bar
+    assert f"--num-questions 1000, but" in p.stderr and f"asking {n}" in p.stderr  # the cap is said
 
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert rows[0] == {"previous": 1} and len(rows) == 2

@@ -118,6 +118,21 @@ class SamplingExtras(_Request):
             return "response_format"
         return param
 
+    def max_tokens_field(self) -> str:
+        """The field that set the completion's length (chat: the one the client sent)."""
+        return "max_tokens"
+
+    def client_error(self, e: RequestError) -> RequestError:
+        """Name an error of the tokenizer manager (which speaks in `sampling_params` names) after
+        the field this client sent: max_new_tokens -> max_tokens / max_completion_tokens, ..."""
+        renames = {"max_new_tokens": self.max_tokens_field(), "min_new_tokens": "min_tokens",
+                   "sampling_seed": "seed"}
+        field = renames.get(e.param) or self.grammar_param(e.param)
+        if e.param:
+            e.message = e.message.replace(f"sampling_params.{e.param}", field)
+            e.param = field
+        return e
+
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         sp = {
             "max_new_tokens": max_new_tokens,
@@ -211,6 +226,9 @@ class ChatCompletionRequest(SamplingExtras):
     continue_final_message: bool = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @model_validator(mode="after")
     def _tool_choice_default(self) -> "ChatCompletionRequest":

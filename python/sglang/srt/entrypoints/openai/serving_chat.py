@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -21,9 +22,16 @@ from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
 from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_bytes, token_text
 from sglang.srt.function_call.utils import get_json_schema_constraint
 from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
-from sglang.srt.parser.reasoning_parser import reasoning_enabled
+from sglang.srt.constrained.base_grammar_backend import grammar_key
+from sglang.srt.parser.reasoning_parser import reasoning_enabled, think_end_token
 
 MAX_TOP_LOGPROBS = 20
+
+
+def last_token_hidden(hidden: list) -> list:
+    """Upstream's streamed chat hidden states: the last generated token's row ([] when only the
+    prompt's block is there)."""
+    return hidden[-1] if len(hidden) > 1 else []
 
 
 class ChatHandler(OpenAIServingBase):
@@ -62,9 +70,22 @@ class ChatHandler(OpenAIServingBase):
         try:
             rid, ids, sp_obj = await self.tm.prepare(base)
         except RequestError as e:
-            e.param = "tool_choice" if mode == "json_array" and e.param == "json_schema" else req.grammar_param(e.param)
-            raise
+            if mode == "json_array" and e.param == "json_schema":
+                e.param = "tool_choice"
+                raise
+            raise req.client_error(e) from None
+        if grammar_key(sp_obj) is not None and self.thinks(req):
+            # Upstream's reasoner grammar: free until the think block ends, then the grammar.
+            sp_obj.think_end_ids = self.think_end_ids
         return [(base, (f"{rid}-{j}" if req.n > 1 else (req.rid or rid), ids, sp_obj), 0) for j in range(req.n)]
+
+    def thinks(self, req: ChatCompletionRequest) -> bool:
+        """The model thinks before answering (whether or not the reasoning is separated)."""
+        return bool(self.reasoning_parser) and reasoning_enabled(self.reasoning_parser, req.template_kwargs())
+
+    @functools.cached_property
+    def think_end_ids(self) -> list[int]:
+        return self.tm.tokenizer.encode(think_end_token(self.reasoning_parser), add_special_tokens=False)
 
     @staticmethod
     def _tool_choice_dict(req: ChatCompletionRequest) -> Any:
@@ -200,9 +221,12 @@ class ChatHandler(OpenAIServingBase):
                               "finish_reason": fr if last else None}
                     if last and fr is not None:
                         choice["matched_stop"] = matched_stop_of(meta)
-                        if "hidden_states" in meta:
-                            choice["hidden_states"] = meta["hidden_states"]
                     yield chunk([choice], [meta])
+            for idx in sorted(finals):  # upstream: one more chunk per choice, after its finish
+                hidden = finals[idx]["meta_info"].get("hidden_states")
+                if hidden is not None:
+                    yield chunk([{"index": idx, "delta": {"hidden_states": last_token_hidden(hidden)},
+                                  "logprobs": None, "finish_reason": None}])
             if opts and opts.include_usage:
                 usage = usage_of(list(finals.values()))
                 if self.reasoning_parser:

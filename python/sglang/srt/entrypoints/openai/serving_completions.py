@@ -56,8 +56,7 @@ class CompletionHandler(OpenAIServingBase):
         try:
             prepared_all = await asyncio.gather(*map(self.tm.prepare, bases))
         except RequestError as e:
-            e.param = req.grammar_param(e.param)
-            raise
+            raise req.client_error(e) from None
         for pi, (base, prepared) in enumerate(zip(bases, prepared_all)):
             for j in range(req.n):
                 rid = f"{prepared[0]}-{j}" if req.n > 1 else (req.rid or prepared[0])

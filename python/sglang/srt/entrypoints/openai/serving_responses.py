@@ -139,10 +139,15 @@ class ResponsesHandler:
             raise RequestError(f"include {req.include} is not supported", param="include")
         messages: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
-            prev = self.store.get(req.previous_response_id)
+            # OpenAI and upstream: a 400 with a code, malformed or unknown (not a 404: the route exists).
+            pid = req.previous_response_id
+            if not isinstance(pid, str) or not pid.startswith("resp"):
+                raise RequestError(f"Invalid 'previous_response_id': {pid!r}. Expected an ID that begins with "
+                                   "'resp'.", param="previous_response_id", code="invalid_value")
+            prev = self.store.get(pid)
             if prev is None:
-                raise RequestError(f"previous response {req.previous_response_id!r} not found", 404,
-                                   param="previous_response_id")
+                raise RequestError(f"Previous response with id {pid!r} not found.", param="previous_response_id",
+                                   code="previous_response_not_found")
             messages = copy.deepcopy(prev["messages"]) + output_items_to_messages(prev["response"]["output"])
         new = input_to_messages(req.input)
         if req.instructions:  # instructions are not carried over from a previous response (OpenAI)
@@ -222,7 +227,9 @@ class ResponsesHandler:
 
     def _usage(self, results: list[dict], reasoning: str) -> dict[str, Any]:
         u = usage_of(results)
-        return {"input_tokens": u.prompt_tokens,
+        # input/output_tokens (OpenAI) and upstream SGLang's prompt/completion_tokens beside them
+        return {"input_tokens": u.prompt_tokens, "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.completion_tokens,
                 "input_tokens_details": {"cached_tokens": (u.prompt_tokens_details or {}).get("cached_tokens", 0)},
                 "output_tokens": u.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": self.chat._reasoning_tokens(reasoning)},
@@ -254,6 +261,8 @@ class ResponsesHandler:
             chat_req, messages = self.to_chat(req)
             items = await self.chat._build(chat_req)
         except RequestError as e:
+            if e.param == "max_completion_tokens":  # the chat request's name for max_output_tokens
+                e.param = "max_output_tokens"
             return request_error_response(e)
         if req.stream:
             for _, (prid, _, _), _ in items:

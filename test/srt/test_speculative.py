@@ -148,6 +148,14 @@ def test_bad_speculative_flags(kw, flag):
         ServerArgs.from_kwargs(model_path=MODEL, speculative_num_draft_tokens=4).resolve()
 
 
+def test_hidden_states_request_is_refused_not_wrong():
+    spec = _engine(True, enable_return_hidden_states=True)
+    out = spec.generate(input_ids=_prompts(1)[0], sampling_params={"max_new_tokens": 4}, return_hidden_states=True)
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 400 and "return_hidden_states" in reason["message"]
+    _whole(spec)
+
+
 def test_checkpoint_without_mtp_layer_names_the_flags():
     with pytest.raises(ServerArgsError) as e:
         _engine(True, "builtin:tiny-deepseek-v32")

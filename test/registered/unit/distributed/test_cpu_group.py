@@ -50,7 +50,7 @@ def test_grammar_ready_list_uses_the_cpu_group(broadcasts):
     gm = GrammarManager(backend=None, world_group=_group())
     fut = Future()
     fut.set_result("compiled")
-    req = SimpleNamespace(grammar=fut, grammar_wait_start=0.0)
+    req = SimpleNamespace(grammar=fut, grammar_wait_start=0.0, sampling_params=SimpleNamespace(think_end_ids=None))
     gm.grammar_queue.append(req)
     broadcasts.reply = [0]  # rank 0's ready list
     assert gm.get_ready_grammar_requests() == [req] and req.grammar == "compiled"

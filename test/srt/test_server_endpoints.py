@@ -296,7 +296,7 @@ def test_metrics_have_upstream_names_and_sane_values(server, client):
     assert idle["sglang:max_total_num_tokens"]["value"] == 8192
     assert idle["sglang:gen_throughput"]["value"] > 0  # >= 4 decode steps ran (--decode-log-interval 4)
     assert 0 <= idle["sglang:cache_hit_rate"]["value"] <= 1
-    assert "sglang:spec_accept_length" not in idle  # no speculative decoding in this scheduler
+    assert idle["sglang:spec_accept_length"]["value"] == 0  # no speculative decoding on this server
 
 
 DECODE_LINE = re.compile(r"Decode batch\. #running-req: (\d+), #token: (\d+), token usage: (\d\.\d\d), "

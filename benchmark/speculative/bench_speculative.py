@@ -42,19 +42,9 @@ def _timed(engine, prompts, sp, device: str) -> tuple[float, list]:
     return time.perf_counter() - t0, out
 
 
-def _override(targets: dict, wrong: bool):
-    def fn(reqs, drafts):
-        rows = []
-        for r in reqs:
-            full = targets[tuple(r.origin_input_ids)] + [5] * (drafts.shape[1] + 1)
-            k = len(r.output_ids)
-            rows.append([(t + 1) % 1000 if wrong else t for t in full[k:k + drafts.shape[1]]])
-        return torch.tensor(rows)
-    return fn
-
-
 def run(args) -> dict:
     from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.testing.spec_drafts import forced_drafts
 
     common = dict(model_path=args.model_path, device=args.device, dtype=args.dtype, load_format=args.load_format,
                   random_seed=0, disable_radix_cache=True, max_total_tokens=args.max_total_tokens)
@@ -73,12 +63,12 @@ def run(args) -> dict:
         times = {"plain": []} | {m: [] for m in MODES}
         accept = {}
         for m in MODES:
-            worker.draft_override = None if m == "natural" else _override(targets, m == "wrong")
+            worker.draft_override = None if m == "natural" else forced_drafts(targets, m)
             _timed(spec, prompts, sp, args.device)  # warm-up of this mode
         for _ in range(args.repeats):
             times["plain"].append(_timed(plain, prompts, sp, args.device)[0])
             for m in MODES:
-                worker.draft_override = None if m == "natural" else _override(targets, m == "wrong")
+                worker.draft_override = None if m == "natural" else forced_drafts(targets, m)
                 worker.num_verify_steps = worker.num_accepted_drafts = 0
                 t, out = _timed(spec, prompts, sp, args.device)
                 if [o["output_ids"] for o in out] != [o["output_ids"] for o in ref]:

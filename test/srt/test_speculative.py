@@ -17,6 +17,7 @@ import torch
 
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.testing.spec_drafts import forced_drafts
 
 DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
 MODEL = "builtin:tiny-deepseek-v32-mtp"
@@ -45,22 +46,6 @@ def _whole(engine: Engine) -> None:
     assert s.allocator.available_size() + s.tree_cache.total_size() == s.max_total_num_tokens
 
 
-def _forcing(ref_outputs: dict, wrong: bool | str):
-    """A draft_override proposing the target's own next tokens, or each plus one (wrong=True), or
-    right / wrong / right ... by position ("mixed": a run must stop at its first wrong draft)."""
-    def bad(k: int, j: int) -> bool:
-        return wrong is True or (wrong == "mixed" and (k + j) % 3 == 1)
-
-    def override(reqs, drafts):
-        rows = []
-        for r in reqs:
-            full = ref_outputs[tuple(r.origin_input_ids)] + [5] * (drafts.shape[1] + 1)
-            k = len(r.output_ids)
-            rows.append([(t + 1) % 1000 if bad(k, j) else t for j, t in enumerate(full[k:k + drafts.shape[1]])])
-        return torch.tensor(rows)
-    return override
-
-
 @pytest.mark.parametrize("engine_kw", [dict(), dict(chunked_prefill_size=8, page_size=4)],
                          ids=["default", "chunked_page4"])
 def test_greedy_equals_plain_with_random_right_and_wrong_drafts(engine_kw):
@@ -78,15 +63,15 @@ def test_greedy_equals_plain_with_random_right_and_wrong_drafts(engine_kw):
     assert spec.scheduler.get_stats().avg_spec_accept_length == worker.avg_accept_length >= 1.0
     _whole(spec)
     targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
-    for wrong in (False, True, "mixed"):
+    for mode in ("right", "wrong", "mixed"):
         assert spec.flush_cache()
-        worker.draft_override = _forcing(targets, wrong)
+        worker.draft_override = forced_drafts(targets, mode)
         worker.num_verify_steps = worker.num_accepted_drafts = 0
         outs = spec.generate(input_ids=prompts, sampling_params=params, **gen)
         assert [_key(o) for o in outs] == [_key(o) for o in ref]
         # forced right: 3 drafts + the bonus token per verify, except where max_tokens cut a run
-        expect = {False: (3.0, 4.0), True: (1.0, 1.0), "mixed": (1.2, 3.0)}[wrong]
-        assert expect[0] <= worker.avg_accept_length <= expect[1], (wrong, worker.avg_accept_length)
+        expect = {"right": (3.0, 4.0), "wrong": (1.0, 1.0), "mixed": (1.2, 3.0)}[mode]
+        assert expect[0] <= worker.avg_accept_length <= expect[1], (mode, worker.avg_accept_length)
         _whole(spec)
     # Radix hits on KV (target and draft) that verify steps committed: a second round extends the outputs.
     worker.draft_override = None
@@ -115,7 +100,7 @@ def test_stop_strings_eos_seeds_grammar_and_indexcache():
     ref = plain.generate(input_ids=prompts, sampling_params=params)
     spec = _engine(True, model)
     targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
-    spec.scheduler.tp_worker.draft_override = _forcing(targets, wrong=False)
+    spec.scheduler.tp_worker.draft_override = forced_drafts(targets, "right")
     outs = spec.generate(input_ids=prompts, sampling_params=params)
     assert [_key(o) for o in outs] == [_key(o) for o in ref]
     assert outs[1]["meta_info"]["finish_reason"]["type"] == "stop"
@@ -129,7 +114,7 @@ def test_retraction_under_a_small_pool():
     ref = _engine(False, page_size=4).generate(input_ids=prompts, sampling_params=params)
     spec = _engine(True, max_total_tokens=128, page_size=4)
     targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
-    spec.scheduler.tp_worker.draft_override = _forcing(targets, wrong=False)
+    spec.scheduler.tp_worker.draft_override = forced_drafts(targets, "right")
     outs = spec.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
     _whole(spec)

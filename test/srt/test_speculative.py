@@ -108,6 +108,37 @@ def test_stop_strings_eos_seeds_grammar_and_indexcache():
     _whole(spec)
 
 
+def test_draft_decode_through_its_graph_spec():
+    """The draft's decode steps as a CUDA-graph spec (hidden state in, hidden state out), replayed
+    with the CPU stand-in of a graph: the same tokens as plain decoding, every draft decode step
+    replayed (padded buckets included), drafts accepted as when eager."""
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, EagerGraphBackend
+    from sglang.srt.speculative.eagle_worker import draft_decode_spec
+
+    prompts = _prompts(3)
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    # the Triton kernels (interpreted on CPU) are the capturable backends
+    kw = dict(nsa_prefill_backend="triton", nsa_decode_backend="triton", moe_runner_backend="triton")
+    ref = _engine(False, **kw).generate(input_ids=prompts, sampling_params=params)
+    eager = _engine(True, **kw)
+    eager_out = eager.generate(input_ids=prompts, sampling_params=params)
+    spec = _engine(True, cuda_graph_max_bs=4, max_running_requests=4, **kw)
+    worker = spec.scheduler.tp_worker
+    dr = worker.draft_runner
+    runner = CudaGraphRunner(dr, EagerGraphBackend(), specs=(draft_decode_spec(worker.draft_config),))
+    dr.cuda_graph_runner = runner
+    replays = []
+    replay = runner.replay
+    runner.replay = lambda fb: (replays.append(fb.batch_size), replay(fb))[1]
+    outs = spec.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
+    assert worker.avg_accept_length == eager.scheduler.tp_worker.avg_accept_length
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in eager_out]
+    # 2 draft decode steps per verify (num_steps 3), batch 3 -> the padded bucket 4
+    assert replays and set(replays) <= {1, 2, 3} and 3 in replays
+    _whole(spec)
+
+
 def test_retraction_under_a_small_pool():
     prompts = _prompts(5)
     params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}

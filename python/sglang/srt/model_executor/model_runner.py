@@ -55,9 +55,10 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs,
                  tp_group: GroupCoordinator = SINGLE_GROUP, *, req_to_token_pool: ReqToTokenPool | None = None,
                  token_to_kv_pool_allocator=None, max_total_num_tokens: int | None = None,
-                 extra_kv_bytes_per_token: int = 0) -> None:
+                 extra_kv_bytes_per_token: int = 0, graph_specs: tuple | None = None) -> None:
         """`tp_group`: all ranks of this server. Under context parallel (CP) attention runs CP over
-        them with replicated weights, so the model's TP group is a single rank."""
+        them with replicated weights, so the model's TP group is a single rank. `graph_specs`: the
+        forwards to capture in CUDA graphs (default: decode)."""
         sa = server_args
         self.model_config, self.server_args, self.world_group = model_config, sa, tp_group
         self.cp_group = tp_group if sa.enable_nsa_prefill_context_parallel and tp_group.world_size > 1 else None
@@ -89,7 +90,7 @@ class ModelRunner:
         use_graphs, why_not = cuda_graph_decision(sa, self.attn_backend, self.model,
                                                   context_parallel=self.cp_group is not None)
         if use_graphs:
-            self.cuda_graph_runner = CudaGraphRunner(self)
+            self.cuda_graph_runner = CudaGraphRunner(self, specs=graph_specs) if graph_specs else CudaGraphRunner(self)
         else:
             logger.info(why_not)
 

@@ -8,7 +8,8 @@ Positions: at a decode step the target has KV for positions [0, c) of a request 
 x (fill[c]) is on the device (the token table); the draft has KV for [0, c) too, and its proposal
 d1 for position c + 1 plus its last hidden state are kept per request slot. The scheduler
 allocates N = num_steps + 1 rows, positions [c, c + N).
-1. draft: d2..dS from S - 1 one-layer decode steps at positions c .. c + S - 2 (its own pool);
+1. draft: d2..dS from S - 1 one-layer decode steps at positions c .. c + S - 2 (its own pool;
+   replayed from CUDA graphs of `draft_decode_spec` on GPUs);
 2. verify: the target extends [x, d1..dS] at positions c .. c + S and picks a token per row (the
    request's own sampler: greedy argmax, or a draw with the seed step plain decoding would use);
    a = leading rows whose draft equals the target's pick; the step produces those a + 1 picks
@@ -24,8 +25,6 @@ make their batch verify one row per request (no drafts).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
@@ -35,6 +34,7 @@ from sglang.srt.managers.overlap_utils import FUTURE_TOKEN, Pending
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.scheduler_output_processor import BatchOutputCopy, GenerationBatchResult
 from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.model_executor.cuda_graph_runner import GraphSpec, StaticInput
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.model_runner import ModelRunner, kv_bytes_per_token
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -55,6 +55,15 @@ def draft_model_config(server_args: ServerArgs) -> ModelConfig:
     return mc
 
 
+def draft_decode_spec(draft_config: ModelConfig) -> GraphSpec:
+    """The draft's decode step as a CUDA-graph spec: one token per request, the previous step's
+    hidden state as a static input, its own last hidden state as an extra output."""
+    hidden = draft_config.hf_config.hidden_size
+    return GraphSpec("draft_decode", ForwardMode.DECODE, 1,
+                     extra_inputs=(StaticInput("spec_hidden_states", (hidden,), draft_config.dtype),),
+                     extra_outputs=("hidden_states",), capture_hidden_mode=CaptureHiddenMode.LAST)
+
+
 class EAGLEWorker:
     supports_overlap = False  # the next step's positions depend on this step's acceptance
 
@@ -67,12 +76,12 @@ class EAGLEWorker:
         self.target = TpModelWorker(sa, model_config, tp_group,
                                     extra_kv_bytes_per_token=kv_bytes_per_token(self.draft_config, sa))
         t = self.target.model_runner
-        # The draft runs its decode steps eagerly (its graphs would need the hidden-state input).
-        draft_args = dataclasses.replace(sa, disable_cuda_graph=True)
-        self.draft_runner = ModelRunner(self.draft_config, draft_args, tp_group,
+        # The draft's decode steps replay CUDA graphs of their own spec (hidden states in and out).
+        self.draft_runner = ModelRunner(self.draft_config, sa, tp_group,
                                         req_to_token_pool=t.req_to_token_pool,
                                         token_to_kv_pool_allocator=t.token_to_kv_pool_allocator,
-                                        max_total_num_tokens=t.max_total_num_tokens)
+                                        max_total_num_tokens=t.max_total_num_tokens,
+                                        graph_specs=(draft_decode_spec(self.draft_config),))
         self.device = sa.device
         slots = t.req_to_token_pool.size + 1
         self.next_draft = torch.zeros(slots, dtype=torch.int64, device=self.device)

@@ -171,3 +171,60 @@ def test_nextn_model_takes_the_expert_parallel_options(tmp_path):
     model = get_model(ModelConfig(path, "float32", is_draft_model=True), "cpu", SINGLE_GROUP,
                       ep_group=SINGLE_GROUP, moe_dispatch="local")
     assert model.model.decoder.mlp.experts is not None
+
+
+def _draft_runner(path: str) -> ModelRunner:
+    sa = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=1024,
+                    nsa_index_k_dtype="fp8_e4m3").resolve()
+    return ModelRunner(ModelConfig(path, "float32", is_draft_model=True), sa)
+
+
+def _draft_extend(runner: ModelRunner, ids: list[int], hidden: torch.Tensor, topk=None):
+    slot = runner.req_to_token_pool.alloc(1)
+    loc = runner.token_to_kv_pool_allocator.alloc(len(ids))
+    runner.req_to_token_pool.write(slot[0], 0, loc)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, ids, slot, [0], [len(ids)], loc, return_all_logits=True,
+                            spec_hidden_states=hidden, spec_topk_indices=topk)
+    logits = runner.forward(fb).full_logits
+    pool = runner.token_to_kv_pool
+    return logits, pool.get_index_k_pages(0, torch.unique(loc // pool.page_size)).clone()
+
+
+@pytest.mark.parametrize("arch,shares", [("glm_moe_dsa", True), ("deepseek_v32", False)])
+def test_draft_reuses_a_handed_topk_only_when_sharing_and_keeps_its_index_k(arch, shares, tmp_path):
+    """Both IndexCache branches of the draft layer. Sharing on: given the target's top-k the draft
+    does not score (its indexer's forward never runs), attends with exactly that top-k, and still
+    stores the same index K bytes it would have stored scoring (its own later decode steps score
+    over them). Sharing off: a handed top-k is ignored."""
+    extra = {"index_topk_freq": 2} if shares else {}
+    path = make_tiny_checkpoint(str(tmp_path / "ckpt"), arch=arch, num_hidden_layers=LAYERS, mtp_layer=True, **extra)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, 1000, (70,), generator=g).tolist()  # > index_topk (32): sparse selection
+    hidden = torch.randn(70, 128, generator=g)
+    own = _draft_runner(path)
+    indexer = own.model.model.decoder.self_attn.indexer
+    seen = []
+    real = indexer.forward
+    indexer.forward = lambda *a: seen.append(real(*a)) or seen[-1]
+    own_logits, own_index_k = _draft_extend(own, ids, hidden)
+    assert len(seen) == 1
+    own_topk = seen[0]
+
+    given = _draft_runner(path)
+    calls = []
+    gi = given.model.model.decoder.self_attn.indexer
+    real_given = gi.forward
+    gi.forward = lambda *a: calls.append(1) or real_given(*a)
+    logits, index_k = _draft_extend(given, ids, hidden, topk=own_topk)
+    assert torch.equal(index_k, own_index_k)  # store_k writes what scoring would have written
+    assert (logits - own_logits).abs().max().item() < 1e-5
+    assert len(calls) == (0 if shares else 1)
+
+    # a different handed top-k (only the 8 latest causal positions) changes the result iff reused
+    pos = torch.arange(70)[:, None]
+    other = torch.where(torch.arange(32)[None, :] < 8, (pos - torch.arange(32)[None, :]).clamp(min=-1), -1)
+    other = torch.where(other >= 0, other, -1).to(torch.int32)
+    logits2, index_k2 = _draft_extend(_draft_runner(path), ids, hidden, topk=other)
+    assert torch.equal(index_k2, own_index_k)
+    diff = (logits2 - own_logits).abs().max().item()
+    assert (diff > 1e-3) if shares else (diff < 1e-5)

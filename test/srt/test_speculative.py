@@ -108,6 +108,52 @@ def test_stop_strings_eos_seeds_grammar_and_indexcache():
     _whole(spec)
 
 
+def _row_keys(fb) -> list[tuple[int, int]]:
+    return list(zip(fb.req_pool_indices[fb.token_to_req].tolist(), fb.positions.tolist()))
+
+
+@pytest.mark.parametrize("model,shares", [("builtin:tiny-glm-moe-dsa-mtp", True), (MODEL, False)])
+def test_draft_extends_reuse_the_targets_topk_when_sharing(model, shares):
+    """IndexCache through the worker: with sharing on, every draft extend (after a prefill, after a
+    verify) is handed the target's last-layer top-k of exactly its rows -- the rows the target
+    computed at those positions -- and the draft decode steps score for themselves; sharing off,
+    nothing is handed. Greedy output equals plain decoding either way."""
+    prompts = [[(11 * i + 7 * j) % 900 + 5 for j in range(40 + 9 * i)] for i in range(3)]  # > index_topk
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    ref = _engine(False, model).generate(input_ids=prompts, sampling_params=params)
+    spec = _engine(True, model)
+    worker = spec.scheduler.tp_worker
+    targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
+    worker.draft_override = forced_drafts(targets, "mixed")
+    seen = []
+    draft_forward, target_forward = worker.draft_runner.forward, worker.target.model_runner.forward
+    last_target = {}
+
+    def target_spy(fb):
+        lo = target_forward(fb)
+        last_target.update(topk=lo.topk_indices, rows=_row_keys(fb))
+        return lo
+
+    def draft_spy(fb):
+        topk = fb.spec_topk_indices
+        if topk is not None:  # the handed rows are the target's rows of the same request + position
+            rows = [last_target["rows"].index(k) for k in _row_keys(fb)]
+            assert torch.equal(topk, last_target["topk"][rows])
+            assert bool((topk.long() <= fb.positions[:, None]).all())
+        seen.append((fb.forward_mode.is_extend(), topk is not None))
+        return draft_forward(fb)
+
+    worker.target.model_runner.forward, worker.draft_runner.forward = target_spy, draft_spy
+    outs = spec.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
+    extends = [handed for is_ext, handed in seen if is_ext]
+    decodes = [handed for is_ext, handed in seen if not is_ext]
+    assert len(extends) >= 3 and decodes
+    assert all(extends) if shares else not any(extends)
+    assert not any(decodes)
+    _whole(spec)
+
+
 def test_draft_decode_through_its_graph_spec():
     """The draft's decode steps as a CUDA-graph spec (hidden state in, hidden state out), replayed
     with the CPU stand-in of a graph: the same tokens as plain decoding, every draft decode step
@@ -136,6 +182,44 @@ def test_draft_decode_through_its_graph_spec():
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in eager_out]
     # 2 draft decode steps per verify (num_steps 3), batch 3 -> the padded bucket 4
     assert replays and set(replays) <= {1, 2, 3} and 3 in replays
+    _whole(spec)
+
+
+def test_target_verify_through_its_graph_spec():
+    """The target's verify as a CUDA-graph spec (decode-shaped: a row per verified token, buckets
+    of bs * n rows), replayed with the CPU stand-in of a graph on the Triton kernels: the same
+    tokens as plain decoding and as the eager verify, drafts accepted as when eager (forced right
+    and wrong alike), every verify replayed, the top-k handed to the draft from the graph's output
+    when IndexCache shares (GLM-5 tiny)."""
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, EagerGraphBackend
+    from sglang.srt.speculative.eagle_worker import target_verify_spec
+
+    model = "builtin:tiny-glm-moe-dsa-mtp"  # (the V3.2 tiny model's verify graph differs only in not handing top-k)
+    prompts = [[(11 * i + 7 * j) % 900 + 5 for j in range(30 + 7 * i)] for i in range(3)]
+    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    kw = dict(nsa_prefill_backend="triton", nsa_decode_backend="triton", moe_runner_backend="triton")
+    ref = _engine(False, model, **kw).generate(input_ids=prompts, sampling_params=params)
+    targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
+    eager = _engine(True, model, **kw)
+    eager.scheduler.tp_worker.draft_override = forced_drafts(targets, "mixed")
+    eager_out = eager.generate(input_ids=prompts, sampling_params=params)
+    spec = _engine(True, model, cuda_graph_max_bs=4, max_running_requests=4, **kw)
+    worker = spec.scheduler.tp_worker
+    worker.draft_override = forced_drafts(targets, "mixed")
+    tr = worker.target.model_runner
+    vspec = target_verify_spec(tr.model_config, worker.num_tokens_per_req)
+    assert "topk_indices" in vspec.extra_outputs
+    runner = CudaGraphRunner(tr, EagerGraphBackend(), specs=(vspec,))
+    assert runner.max_bs == 4 * 4  # rows: up to 4 requests x 4 verified tokens
+    tr.cuda_graph_runner = runner
+    replays = []
+    replay = runner.replay
+    runner.replay = lambda fb: (replays.append(fb.batch_size), replay(fb))[1]
+    outs = spec.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in eager_out]
+    assert worker.avg_accept_length == eager.scheduler.tp_worker.avg_accept_length > 1.0
+    assert 12 in replays and set(replays) <= {4, 8, 12}  # 3, 2, 1 requests x 4 rows
     _whole(spec)
 
 
@@ -265,3 +349,105 @@ def test_load_64_streams_with_aborts_and_retraction():
         assert st["kv_leak"] is None and st["kv_protected_tokens"] == 0
         assert st["kv_free_tokens"] + st["kv_cached_tokens"] == st["kv_total_tokens"]
         assert "retracted" in server.log()  # the pool was too small: requests went back to the queue
+
+
+def test_cp2_speculative_equals_plain_and_draft_kv_is_sharded(builtin_path):
+    """Prefill CP (2 ranks, gloo) with speculation: the same greedy tokens as one rank without it,
+    for a batch and cache-hit followups, both split modes, page sizes 1 and 64, IndexCache sharing
+    on (GLM-5 tiny) and off (V3.2 tiny). SGLANG_CP_DRAFT_SHARED_KV_DEBUG=1 shows the draft KV is
+    sharded like the target's: each prefill's draft extend takes the rank's own hidden rows (no
+    gather), writes only the rank's physical pages of its own draft pool, a pool of 1/cp."""
+    from sglang.srt.testing.multi_rank import Case, run_case, run_multi_rank
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (37, 70, 5, 130)]
+    followups = [prompts[1] + [7], prompts[3][:64] + [9, 11]]
+    env = {"SGLANG_CP_DRAFT_SHARED_KV_DEBUG": "1"}
+    cases = []
+    for model, mode, ps in (("tiny-glm-moe-dsa-mtp", "in-seq-split", 1), ("tiny-deepseek-v32-mtp", "round-robin-split", 64)):
+        sa = dict(model_path=builtin_path(model), enable_nsa_prefill_context_parallel=True, nsa_prefill_cp_mode=mode,
+                  page_size=ps, chunked_prefill_size=-1, speculative_algorithm="EAGLE", speculative_num_steps=3)
+        cases.append(Case(f"{model}/{mode}/p{ps}", sa, prompts, 8, followups=followups, env=env))
+    got = run_multi_rank(cases, 2)
+    for case, res in zip(cases, got):
+        plain = {k: v for k, v in case.server_args.items() if k not in (
+            "enable_nsa_prefill_context_parallel", "nsa_prefill_cp_mode", "speculative_algorithm",
+            "speculative_num_steps")}
+        ref = run_case(Case(case.name, plain, case.prompts, case.max_new_tokens, case.followups), 1)
+        for rid in ref:
+            if not rid.startswith("_"):
+                assert res[rid]["ids"] == ref[rid]["ids"], (case.name, rid)
+        assert res["_stats"]["kv_leak"] is None, res["_stats"]
+        draft = res["_draft"]
+        assert draft["pool_slots"] * 2 == res["_stats"]["capacity"]
+        ps = case.server_args["page_size"]
+        rank_pages = draft["pool_slots"] // ps
+        prefills = [r for r in draft["debug"] if r["hidden_local_input"]]
+        assert len(prefills) >= 2 and all(r["rank"] == 0 for r in draft["debug"])
+        for r in prefills:
+            assert r["hidden_rows"] == r["local_rows"]  # the target's local rows, never gathered
+            assert all(0 <= p <= rank_pages for p in r["physical_pages"]), (case.name, r)  # own pool
+        # the first batch's rows are split: rank 0 computes fewer than all of them
+        assert prefills[0]["valid_rows"] < sum(len(p) for p in prompts)
+
+
+def _chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
+    """Pearson's statistic of observed counts against exact probabilities (cells expecting fewer
+    than 5 pooled into one); returns (statistic, degrees of freedom)."""
+    small_obs = small_exp = 0.0
+    stat, cells = 0.0, 0
+    for cell, p in probs.items():
+        exp, obs = p * n, counts.get(cell, 0)
+        if exp < 5:
+            small_obs, small_exp = small_obs + obs, small_exp + exp
+            continue
+        stat += (obs - exp) ** 2 / exp
+        cells += 1
+    if small_exp > 0:
+        stat += (small_obs - small_exp) ** 2 / small_exp
+        cells += 1
+    assert sum(counts.values()) == n and set(counts) <= set(probs), "a sample outside the support"
+    return stat, cells - 1
+
+
+# chi-square critical values at p = 1e-4 (df 1..16): a correct sampler fails this 1 time in 10^4
+_CHI2_CRIT = [15.1, 18.4, 21.1, 23.5, 25.7, 27.9, 29.9, 31.8, 33.7, 35.6, 37.4, 39.1, 40.8, 42.5, 44.3, 45.9]
+
+
+def test_sampling_keeps_the_target_distribution():
+    """Speculative sampling keeps the target's distribution (the issue's tiny-vocabulary check):
+    top_k 4 at temperature 0.1 makes each step a 4-token distribution; 800 unseeded samples of the
+    first two tokens (drafts forced to the greedy path, so drafts are accepted and rejected) are
+    tested against the exact joint p(t1) p(t2 | t1) computed from the target's own logprobs.
+    Accepting a draft exactly when it equals the target's draw is rejection sampling for a
+    deterministic draft: accept d with probability p(d), else draw from p without d."""
+    prompt = [(13 * j) % 900 + 5 for j in range(12)]
+    temp, k, n = 0.1, 4, 800
+    plain = _engine(False)
+
+    def step_probs(ids: list[int]) -> dict[int, float]:
+        o = plain.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                           return_logprob=True, top_logprobs_num=k)
+        top = o["meta_info"]["output_top_logprobs"][0]
+        w = torch.softmax(torch.tensor([lp for lp, _, _ in top]) / temp, dim=0).tolist()
+        return {tid: p for (_, tid, _), p in zip(top, w)}
+
+    p1 = step_probs(prompt)
+    joint = {(a, b): pa * pb for a, pa in p1.items() for b, pb in step_probs(prompt + [a]).items()}
+    greedy = plain.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 4})["output_ids"]
+
+    spec = _engine(True, max_total_tokens=16384, max_running_requests=256)
+    worker = spec.scheduler.tp_worker
+    worker.draft_override = forced_drafts({tuple(prompt): greedy}, "right")
+    params = {"temperature": temp, "top_k": k, "max_new_tokens": 2, "ignore_eos": True}
+    outs = spec.generate(input_ids=[prompt] * n, sampling_params=params)
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o["output_ids"])] = counts.get(tuple(o["output_ids"]), 0) + 1
+    stat, df = _chi_square(counts, joint, n)
+    assert stat < _CHI2_CRIT[df - 1], (stat, df, counts, joint)
+    assert worker.num_accepted_drafts > 0.2 * n  # the accept path ran (p(greedy) >= 1/4 per step)
+    # the statistic has power: greedy-biased samples (drafts always accepted) fail it
+    biased = {(greedy[0], greedy[1]): n}
+    assert _chi_square(biased, joint, n)[0] > _CHI2_CRIT[df - 1]
+    _whole(spec)

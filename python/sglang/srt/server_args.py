@@ -445,8 +445,6 @@ def _check_speculative(args: ServerArgs) -> None:
     if args.enable_mixed_chunk:
         raise ServerArgsError("enable_mixed_chunk", "is not supported with --speculative-algorithm (a verify step "
                               "computes several rows per decoding request)")
-    if args.enable_nsa_prefill_context_parallel:
-        raise ServerArgsError("speculative_algorithm", "is not supported with context parallel yet")
 
 
 _VALIDATORS.append(_check_speculative)

@@ -53,6 +53,10 @@ class IndexLayerSchedule:
         return not self.full[layer_id]
 
     def next_skip_topk(self, layer_id: int) -> bool:
+        """The layer after `layer_id` reuses its top-k. After the last layer comes the NextN/MTP
+        draft layer, which reuses the target's top-k whenever sharing is on (layer_index_role)."""
+        if layer_id + 1 == len(self.full):
+            return self.shares
         return layer_id + 1 < len(self.full) and not self.full[layer_id + 1]
 
     def indexer_types(self) -> list[str]:

@@ -21,6 +21,9 @@ class LogitsProcessorOutput:
     input_top_logprobs_val: torch.Tensor | None = None  # [rows, max top_logprobs_num]
     input_top_logprobs_idx: torch.Tensor | None = None
     full_logits: torch.Tensor | None = None  # [T, V] when forward_batch.return_all_logits
+    # With full hidden capture: the top-k the last layer passes on to the NextN draft layer
+    # (IndexCache sharing on; else None), per row as computed.
+    topk_indices: torch.Tensor | None = None
 
 
 class LogitsProcessor(nn.Module):
@@ -43,7 +46,7 @@ class LogitsProcessor(nn.Module):
         mode = forward_batch.capture_hidden_mode
         if mode == CaptureHiddenMode.LAST:
             out.hidden_states = last_hidden
-        elif mode == CaptureHiddenMode.FULL:
+        elif mode in (CaptureHiddenMode.FULL, CaptureHiddenMode.FULL_LOCAL):
             out.hidden_states = hidden_states
 
         if pruned:

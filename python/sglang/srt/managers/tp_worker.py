@@ -35,12 +35,14 @@ class TpModelWorker:
     supports_overlap = True
 
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig,
-                 tp_group: GroupCoordinator = SINGLE_GROUP, extra_kv_bytes_per_token: int = 0) -> None:
+                 tp_group: GroupCoordinator = SINGLE_GROUP, extra_kv_bytes_per_token: int = 0,
+                 graph_specs: tuple | None = None) -> None:
         """`extra_kv_bytes_per_token`: KV of runners that will share this worker's request slots (a
-        draft model), so one memory plan covers them all."""
+        draft model), so one memory plan covers them all. `graph_specs`: the forwards captured in
+        CUDA graphs (default: decode)."""
         self.server_args = server_args
         self.model_runner = ModelRunner(model_config, server_args, tp_group,
-                                        extra_kv_bytes_per_token=extra_kv_bytes_per_token)
+                                        extra_kv_bytes_per_token=extra_kv_bytes_per_token, graph_specs=graph_specs)
         mr = self.model_runner
         self.device = server_args.device
         self.world_group = mr.world_group

@@ -73,6 +73,9 @@ class GraphSpec:
     extra_inputs: tuple[StaticInput, ...] = ()
     extra_outputs: tuple[str, ...] = ()
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
+    # Batch rows per scheduled request (a decode-shaped verify runs one row per verified token):
+    # the runner's buckets reach min(--cuda-graph-max-bs, max running requests) * batch_scale.
+    batch_scale: int = 1
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -213,7 +216,8 @@ class CudaGraphRunner:
         self.specs = tuple(specs)
         if len({s.name for s in self.specs}) != len(self.specs):
             raise ValueError(f"graph specs need distinct names: {[s.name for s in self.specs]}")
-        self.max_bs = min(mr.server_args.cuda_graph_max_bs, mr.max_running_requests)
+        self.max_bs = min(mr.server_args.cuda_graph_max_bs, mr.max_running_requests) * max(
+            s.batch_scale for s in self.specs)
         self.capture_bs = get_batch_sizes_to_capture(self.max_bs)
         self.padding_slot = mr.req_to_token_pool.padding_slot
         self.buffers: dict[GraphSpec, _SpecBuffers] = {

@@ -41,6 +41,9 @@ class CaptureHiddenMode(IntEnum):
     NULL = 0
     LAST = 1  # last token of each request (EAGLE draft input)
     FULL = 2  # every token
+    # Every token as computed, for the EAGLE draft extend: under prefill CP this rank's rows in its
+    # CP layout (no gather; the draft's CP split of the same batch is the same layout), else FULL.
+    FULL_LOCAL = 3
 
 
 # Per-token and per-request rows of the packed host buffer, in upload order.
@@ -78,11 +81,19 @@ class ForwardBatch:
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     # Speculative decoding: the target's hidden states the NextN draft layer consumes ([T, H]).
     spec_hidden_states: torch.Tensor | None = None
+    # ... and the top-k the target's last layer passed on ([T, index_topk], IndexCache sharing on):
+    # the draft layer reuses it instead of scoring. Under CP both are in this rank's layout.
+    spec_topk_indices: torch.Tensor | None = None
+    spec_rows_local: bool = False  # the two above are already in this rank's CP layout
 
     # Host copies of the per-token / per-request rows (CPU tensors), for host-side re-layouts (CP).
     host_rows: dict[str, torch.Tensor] | None = None
     # Context parallel: this rank's share of the batch (nsa.cp_backend.CPMetadata), else None.
     cp_metadata: Any = None
+    # CP: each token is computed by the owner of its KV page. For forwards over slots that another
+    # forward's split placed (speculative: the draft's steps inside a verify's rows, one row of a
+    # verify allocation), which a fresh split of these rows could place differently.
+    cp_split_by_slot_owner: bool = False
 
     # Set by the model runner.
     req_to_token_pool: Any = None

@@ -53,7 +53,11 @@ class DeepseekModelNextN(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
                 target_hidden: torch.Tensor) -> torch.Tensor:
         x = torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(target_hidden)], dim=-1)
-        h, residual, _ = self.decoder(positions, self.eh_proj(x), None, forward_batch, None)
+        # IndexCache: reuse the target's top-k for these rows when it handed one (extend after a
+        # prefill / verify); its own indexer scores otherwise (draft decode steps). What the layer
+        # would pass on has no consumer: one draft layer.
+        h, residual, _ = self.decoder(positions, self.eh_proj(x), None, forward_batch,
+                                      forward_batch.spec_topk_indices)
         forward_batch.token_to_kv_pool.on_layer_end(self.decoder.self_attn.layer_id)  # the draft pool's layer
         if h.shape[0] == 0:
             return h

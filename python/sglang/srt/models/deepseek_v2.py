@@ -205,8 +205,11 @@ class DeepseekV2AttentionMLA(nn.Module):
         topk_indices = prev_topk_indices
         if self.indexer is not None and not (self.skip_topk and prev_topk_indices is not None):
             topk_indices = self.indexer(hidden_states, q_lora, positions, forward_batch)
-        elif topk_indices is not None and debug_checks.debug_checks_active():
-            assert_topk_matches_batch(topk_indices, forward_batch, self.layer_id)
+        else:
+            if self.indexer is not None:  # NextN given the target's top-k: keep its own index K whole
+                self.indexer.store_k(hidden_states, positions, forward_batch)
+            if topk_indices is not None and debug_checks.debug_checks_active():
+                assert_topk_matches_batch(topk_indices, forward_batch, self.layer_id)
         attn = self.attn(q_nope, q_rope, latent, k_rope, forward_batch, topk_indices)
         out = self.o_proj(attn.reshape(t, self.num_local_heads * self.v_head_dim))
         return out, topk_indices if self.next_skip_topk else None
@@ -273,7 +276,9 @@ class DeepseekV2Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
-                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                input_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final hidden states, the top-k the last layer passes on: to the NextN draft layer when
+        IndexCache sharing is on, else None)."""
         hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual, topk_indices = None, None
         poison = debug_checks.cp_padding_poison(forward_batch)  # None unless debugging CP padding
@@ -285,9 +290,9 @@ class DeepseekV2Model(nn.Module):
                                                           topk_indices)
             pool.on_layer_end(layer.self_attn.layer_id)  # the layer's slot in the pool
         if hidden_states.shape[0] == 0:
-            return hidden_states
+            return hidden_states, topk_indices
         hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return hidden_states, topk_indices
 
 
 _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -349,14 +354,22 @@ class DeepseekV2ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch)
+        hidden_states, topk_indices = self.model(input_ids, positions, forward_batch)
         cp = forward_batch.cp_metadata
         if cp is None:
-            return self.logits_processor(hidden_states, self.lm_head, forward_batch)
-        if self._should_use_narrow_output_path(cp.global_batch):
+            out = self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        elif self._should_use_narrow_output_path(cp.global_batch):
             last = cp_collect_last_token_hidden(hidden_states, cp)
-            return self.logits_processor(last, self.lm_head, cp.global_batch, pruned=True)
-        return self.logits_processor(cp_all_gather_hidden(hidden_states, cp), self.lm_head, cp.global_batch)
+            out = self.logits_processor(last, self.lm_head, cp.global_batch, pruned=True)
+            if forward_batch.capture_hidden_mode == CaptureHiddenMode.FULL_LOCAL:
+                out.hidden_states = hidden_states  # this rank's rows, in its CP layout
+        else:
+            out = self.logits_processor(cp_all_gather_hidden(hidden_states, cp), self.lm_head, cp.global_batch)
+            if topk_indices is not None and forward_batch.capture_hidden_mode == CaptureHiddenMode.FULL:
+                topk_indices = cp_all_gather_hidden(topk_indices, cp)  # in the order of the hidden states
+        if forward_batch.capture_hidden_mode in (CaptureHiddenMode.FULL, CaptureHiddenMode.FULL_LOCAL):
+            out.topk_indices = topk_indices
+        return out
 
     @staticmethod
     def _should_use_narrow_output_path(forward_batch: ForwardBatch) -> bool:

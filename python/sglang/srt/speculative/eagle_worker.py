@@ -17,10 +17,24 @@ allocates N = num_steps + 1 rows, positions [c, c + N).
 3. draft extend: the draft recomputes positions c .. c + a from the target's hidden states and
    the accepted tokens, which gives the next step's d1.
 Every produced token is the target's own pick given exactly the tokens before it, so greedy
-output equals plain decoding, and sampling keeps the target's distribution (accepting a draft only
-when it equals the target's draw is exact, if less eager than rejection sampling). Requests whose
-sampling needs host state of each step (grammars, penalties, custom processors, min_new_tokens)
-make their batch verify one row per request (no drafts).
+output equals plain decoding, and sampling keeps the target's distribution: accepting the draft d
+exactly when it equals the target's draw is rejection sampling for a deterministic (argmax) draft
+-- accepted with probability p(d), else a draw from p without d -- so the acceptance rate is the
+same as upstream's target-only verify. Requests whose sampling needs host state of each step
+(grammars, penalties, custom processors, min_new_tokens) make their batch verify one row per
+request (no drafts).
+
+IndexCache: with sharing on, the target's last layer hands its top-k of the rows the draft extends
+(`LogitsProcessorOutput.topk_indices`); the draft layer reuses it and only stores its own index K
+(its decode steps score for themselves over that index K).
+
+Prefill CP: the target's prefill returns its hidden states / top-k in the rank's own layout
+(CaptureHiddenMode.FULL_LOCAL) and the draft extends the same batch, split the same way, from
+them: no rank materialises the full hidden states, and the draft writes only the rank's pages of
+its own pool (SGLANG_CP_DRAFT_SHARED_KV_DEBUG=1 logs it). Forwards over rows a verify allocated
+(draft steps, the accepted rows) follow those rows' pages (`cp_split_by_slot_owner`). A draft
+cache-hit extend is computed like any extend over the full cached context (this backend has no
+partial current-KV reuse to disable), and nothing is prefetched for a next layer.
 """
 
 from __future__ import annotations
@@ -55,6 +69,18 @@ def draft_model_config(server_args: ServerArgs) -> ModelConfig:
     return mc
 
 
+def target_verify_spec(model_config: ModelConfig, num_tokens_per_req: int) -> GraphSpec:
+    """The target's verify as a CUDA-graph spec. A verify of n rows per request runs decode-shaped:
+    row j of a request is a one-token "request" at position c + j over the same request slot, so
+    every row stores its KV (and index K) before any row attends, and row j sees exactly
+    positions <= c + j -- the decode kernels and their graphs, keyed by rows (= bs * n). Outputs:
+    every row's logits, hidden states and (IndexCache sharing on) the top-k for the draft."""
+    sched = model_config.index_layer_schedule
+    topk = ("topk_indices",) if sched is not None and sched.shares else ()
+    return GraphSpec("target_verify", ForwardMode.DECODE, 1, extra_outputs=("hidden_states", *topk),
+                     capture_hidden_mode=CaptureHiddenMode.FULL, batch_scale=num_tokens_per_req)
+
+
 def draft_decode_spec(draft_config: ModelConfig) -> GraphSpec:
     """The draft's decode step as a CUDA-graph spec: one token per request, the previous step's
     hidden state as a static input, its own last hidden state as an extra output."""
@@ -73,8 +99,11 @@ class EAGLEWorker:
         self.num_steps = sa.speculative_num_steps
         self.num_tokens_per_req = self.num_steps + 1
         self.draft_config = draft_model_config(sa)
+        # The target's decode steps are all verifies (or one-row steps with hidden capture): its
+        # graphs are the verify spec's.
         self.target = TpModelWorker(sa, model_config, tp_group,
-                                    extra_kv_bytes_per_token=kv_bytes_per_token(self.draft_config, sa))
+                                    extra_kv_bytes_per_token=kv_bytes_per_token(self.draft_config, sa),
+                                    graph_specs=(target_verify_spec(model_config, self.num_tokens_per_req),))
         t = self.target.model_runner
         # The draft's decode steps replay CUDA graphs of their own spec (hidden states in and out).
         self.draft_runner = ModelRunner(self.draft_config, sa, tp_group,
@@ -83,6 +112,7 @@ class EAGLEWorker:
                                         max_total_num_tokens=t.max_total_num_tokens,
                                         graph_specs=(draft_decode_spec(self.draft_config),))
         self.device = sa.device
+        self.cp = t.cp_group is not None
         slots = t.req_to_token_pool.size + 1
         self.next_draft = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.draft_hidden = torch.zeros(slots, self.draft_config.hf_config.hidden_size, dtype=model_config.dtype,
@@ -123,7 +153,7 @@ class EAGLEWorker:
     def _extend(self, batch: ScheduleBatch) -> BatchOutputCopy:
         t = self.target
         fb = t.build_forward_batch(batch)
-        fb.capture_hidden_mode = CaptureHiddenMode.FULL
+        fb.capture_hidden_mode = CaptureHiddenMode.FULL_LOCAL  # under prefill CP: no gather
         lo = t.model_runner.forward(fb)
         sample = t.model_runner.sample(lo, fb)
         t.token_table.store(fb.req_pool_indices, sample.next_token_ids)
@@ -133,16 +163,29 @@ class EAGLEWorker:
         for req, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             ids += req.fill_slice(p + 1, p + e)
             ids.append(FUTURE_TOKEN if p + e >= len(req.fill_ids()) else req.fill_ids()[p + e])
+        # The same batch split the same way: under CP each rank's target rows feed its draft rows.
         self._draft_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, ids, lo.hidden_states,
-                           batch.out_cache_loc)
+                           lo.topk_indices, batch.out_cache_loc, rows_local=True)
         return BatchOutputCopy(batch, fb, lo, sample)
 
+    def _set_host_ids(self, fb: ForwardBatch) -> None:
+        """CP re-lays a batch out from its host rows: give it the ids resolved on the device."""
+        if self.cp:
+            fb.host_rows["input_ids"] = fb.input_ids.cpu()
+
     def _draft_extend(self, reqs: list[Req], prefix_lens: list[int], extend_lens: list[int], ids,
-                      hidden: torch.Tensor, out_cache_loc: torch.Tensor) -> None:
+                      hidden: torch.Tensor, topk: torch.Tensor | None, out_cache_loc: torch.Tensor,
+                      rows_local: bool = False) -> None:
+        """`topk`: the target's last-layer top-k of these rows (IndexCache sharing on), which the
+        draft layer reuses. `rows_local`: hidden / top-k are in this rank's CP layout, from the
+        target's forward of this very batch (so the same split); otherwise the rows are part of
+        a verify's and follow its pages (cp_split_by_slot_owner)."""
         fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [r.req_pool_idx for r in reqs], prefix_lens, extend_lens,
                                 out_cache_loc, device=self.device, capture_hidden_mode=CaptureHiddenMode.LAST,
-                                spec_hidden_states=hidden)
+                                spec_hidden_states=hidden, spec_topk_indices=topk, spec_rows_local=rows_local,
+                                cp_split_by_slot_owner=not rows_local)
         fb.input_ids = self.token_table.resolve(fb.input_ids, fb.req_pool_indices[fb.token_to_req])
+        self._set_host_ids(fb)
         lo = self.draft_runner.forward(fb)
         self.next_draft[fb.req_pool_indices] = lo.next_token_logits.argmax(dim=-1)
         self.draft_hidden[fb.req_pool_indices] = lo.hidden_states.to(self.draft_hidden.dtype)
@@ -156,7 +199,9 @@ class EAGLEWorker:
         for k in range(1, self.num_steps):
             fb = ForwardBatch.build(ForwardMode.DECODE, drafts[-1], rows, [c + k - 1 for c in prefix_lens],
                                     [1] * len(reqs), loc[:, k - 1], device=self.device,
-                                    capture_hidden_mode=CaptureHiddenMode.LAST, spec_hidden_states=hidden)
+                                    capture_hidden_mode=CaptureHiddenMode.LAST, spec_hidden_states=hidden,
+                                    cp_split_by_slot_owner=True)
+            self._set_host_ids(fb)
             lo = self.draft_runner.forward(fb)
             drafts.append(lo.next_token_logits.argmax(dim=-1))
             hidden = lo.hidden_states
@@ -181,12 +226,11 @@ class EAGLEWorker:
             drafts = self.draft_override(reqs, drafts).to(drafts)
         ids = torch.cat([self.token_table.table[slots][:, None], drafts], dim=1).reshape(-1)
         want_lp = any(r.return_logprob for r in reqs)
-        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [r.req_pool_idx for r in reqs], batch.prefix_lens, [n] * b,
-                                batch.out_cache_loc, device=self.device, return_all_logits=True,
-                                capture_hidden_mode=CaptureHiddenMode.FULL)
+        fb = self._verify_batch(reqs, batch.prefix_lens, ids, batch.out_cache_loc)
         lo = t.model_runner.forward(fb)
+        logits = lo.full_logits if lo.full_logits is not None else lo.next_token_logits  # [b * n, V]
         nums = [r.top_logprobs_num for r in reqs for _ in range(n)]
-        sample = self.sampler(lo.full_logits, self._row_sampling_info(reqs, n), want_lp, nums if want_lp else None)
+        sample = self.sampler(logits, self._row_sampling_info(reqs, n), want_lp, nums if want_lp else None)
         picks = sample.next_token_ids.view(b, n)
         accepted = (drafts == picks[:, :s]).int().cumprod(dim=1).sum(dim=1)  # leading matches
         t.token_table.store(slots, picks.gather(1, accepted[:, None]).squeeze(1))
@@ -194,8 +238,9 @@ class EAGLEWorker:
         pick_rows = picks.tolist()
         produced = [pick_rows[i][: a + 1] for i, a in enumerate(acc)]
         keep = torch.tensor([i * n + j for i, a in enumerate(acc) for j in range(a + 1)], device=self.device)
+        topk = lo.topk_indices[keep] if lo.topk_indices is not None else None
         self._draft_extend(reqs, batch.prefix_lens, [a + 1 for a in acc], [x for p in produced for x in p],
-                           lo.hidden_states[keep], batch.out_cache_loc[keep])
+                           lo.hidden_states[keep], topk, batch.out_cache_loc[keep])
         self.num_verify_steps += b
         self.num_accepted_drafts += sum(acc)
         res = GenerationBatchResult(next_token_ids=produced, accept_lens=[a + 1 for a in acc])
@@ -207,6 +252,22 @@ class EAGLEWorker:
                                          for i, a in enumerate(acc)]
         return res
 
+    def _verify_batch(self, reqs: list[Req], prefix_lens: list[int], ids: torch.Tensor,
+                      loc: torch.Tensor) -> ForwardBatch:
+        """Rows [x, d1..dS] of each request at positions c .. c + S: decode-shaped (target_verify_spec,
+        CUDA graphs) or, under CP, one extend per request (a decode-shaped verify would gather
+        each request's context once per row)."""
+        n, b = self.num_tokens_per_req, len(reqs)
+        if self.cp:
+            fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [r.req_pool_idx for r in reqs], prefix_lens, [n] * b, loc,
+                                    device=self.device, return_all_logits=True,
+                                    capture_hidden_mode=CaptureHiddenMode.FULL)
+            self._set_host_ids(fb)
+            return fb
+        return ForwardBatch.build(ForwardMode.DECODE, ids, [r.req_pool_idx for r in reqs for _ in range(n)],
+                                  [c + j for c in prefix_lens for j in range(n)], [1] * (b * n), loc,
+                                  device=self.device, capture_hidden_mode=CaptureHiddenMode.FULL)
+
     @torch.inference_mode()
     def _decode_without_drafts(self, batch: ScheduleBatch) -> GenerationBatchResult:
         """One row per request through the scheduler's own sampling info (grammar masks, penalties,
@@ -217,13 +278,14 @@ class EAGLEWorker:
         one.out_cache_loc = batch.out_cache_loc.view(b, n)[:, 0].contiguous()
         one.input_ids, one.sampling_info = [FUTURE_TOKEN] * b, batch.sampling_info
         fb = t.build_forward_batch(one)
+        fb.cp_split_by_slot_owner = True  # row 0 of each request's verify allocation
         t.resolve_input_ids(fb)
         fb.capture_hidden_mode = CaptureHiddenMode.FULL
         lo = t.model_runner.forward(fb)
         sample = t.model_runner.sample(lo, fb)
         t.token_table.store(fb.req_pool_indices, sample.next_token_ids)
         self._draft_extend(reqs, one.prefix_lens, one.extend_lens, [FUTURE_TOKEN] * b, lo.hidden_states,
-                           one.out_cache_loc)
+                           lo.topk_indices, one.out_cache_loc)
         self.num_verify_steps += b
         fb.capture_hidden_mode = CaptureHiddenMode.NULL  # hidden states were for the draft only
         res = BatchOutputCopy(one, fb, lo, sample).to_host()

@@ -54,6 +54,9 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
     sa = ServerArgs(**kwargs).resolve()
     torch.manual_seed(0)
     sched = Scheduler(sa, tp_group=group or SINGLE_GROUP)
+    from sglang.srt.layers.attention.nsa.cp_backend import DRAFT_KV_DEBUG_RECORDS as debug_records
+
+    n_debug_before = len(debug_records)  # SGLANG_CP_DRAFT_SHARED_KV_DEBUG records of this case only
     out: dict = {}
     layer_ends: list[int] = []  # KVCache.on_layer_end on this rank's own pool
     sched.tp_worker.model_runner.token_to_kv_pool.register_layer_end_callback(layer_ends.append)
@@ -94,6 +97,10 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
         submit(case.followups, "f")
         drain()
     mr = sched.tp_worker.model_runner
+    draft = getattr(sched.tp_worker, "draft_runner", None)
+    if draft is not None:
+        out["_draft"] = {"pool_slots": draft.token_to_kv_pool.size, "debug": debug_records[n_debug_before:],
+                         "accept_length": sched.tp_worker.avg_accept_length}
     out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s, "layer_ends": layer_ends, "comm": dict(getattr(mr, "cp_counter", None).elements)
                      if getattr(mr, "cp_counter", None) else {},
                      "pool_slots": mr.token_to_kv_pool.size, "capacity": sched.max_total_num_tokens,

@@ -50,7 +50,10 @@ def test_freq_one_changes_nothing():
 def test_skip_and_next_skip():
     s = _resolve(6, flags={"index_topk_pattern": "FFSFSS"})
     assert [s.skip_topk(i) for i in range(6)] == [False, False, True, False, True, True]
-    assert [s.next_skip_topk(i) for i in range(6)] == [False, True, False, True, True, False]
+    # the last layer passes its top-k on to the NextN draft layer, which shares when sharing is on
+    assert [s.next_skip_topk(i) for i in range(6)] == [False, True, False, True, True, True]
+    plain = _resolve(6)
+    assert not plain.shares and not any(plain.next_skip_topk(i) for i in range(6))
 
 
 def test_precedence_flags_over_overrides_over_config():

@@ -18,6 +18,8 @@ dummy rows (every rank has the same row count), and plans the KV movement:
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,13 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.nsa.utils import local_layout
 from sglang.srt.mem_cache.cp_page_map import page_owner, physical_page, physical_slots, split_request
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+# SGLANG_CP_DRAFT_SHARED_KV_DEBUG=1: log (and keep, for tests) per rank which pool each draft
+# forward writes, its local rows and physical pages, and whether its hidden input was already
+# local -- evidence that the draft KV is sharded like the target's. Read once: no cost when off.
+DRAFT_SHARED_KV_DEBUG = os.environ.get("SGLANG_CP_DRAFT_SHARED_KV_DEBUG", "0") == "1"
+DRAFT_KV_DEBUG_RECORDS: list[dict] = []
 
 
 @dataclass
@@ -84,6 +93,9 @@ def build_cp_forward_batch(fb: ForwardBatch, req_to_token_cpu: torch.Tensor, gro
     token_ranks, aligned = [], True
     for i in range(b):
         s, e, pl = starts[i], fb.extend_seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
+        if fb.cp_split_by_slot_owner:  # slots placed by another forward's split: follow its pages
+            token_ranks.append(page_owner(loc[s : s + e] // ps, cp).tolist())
+            continue
         prev = page_owner(int(loc[s]) // ps, cp) if e and pl % ps else None
         split = split_request(pl, e, ps, cp, mode, prev)
         token_ranks.append(split.token_ranks)
@@ -180,7 +192,36 @@ def build_cp_forward_batch(fb: ForwardBatch, req_to_token_cpu: torch.Tensor, gro
     local = ForwardBatch(req_pool_indices=fb.req_pool_indices, out_cache_loc=d_store, cp_metadata=md,
                          req_to_token_pool=fb.req_to_token_pool, token_to_kv_pool=fb.token_to_kv_pool,
                          attn_backend=fb.attn_backend, **common)
+    if fb.spec_hidden_states is not None:
+        _local_spec_inputs(fb, local, safe, t_local, aligned, store_loc, is_valid, rank)
     return local
+
+
+def _local_spec_inputs(fb: ForwardBatch, local: ForwardBatch, safe_rows: torch.Tensor, t_local: int, aligned: bool,
+                       store_loc: torch.Tensor, is_valid: torch.Tensor, rank: int) -> None:
+    """The NextN draft's inputs in this rank's layout. Hidden states / top-k already in it (the
+    target's FULL_LOCAL capture of the same batch: same split, same rows) are used as they are --
+    the prefill path, where no rank materialises the full hidden states; inputs in the scheduler's
+    order (decode steps, a verify's accepted rows: a few rows per request) are sliced locally."""
+    if fb.spec_rows_local:
+        if fb.spec_hidden_states.shape[0] != t_local:
+            raise AssertionError(f"CP draft extend: {fb.spec_hidden_states.shape[0]} local hidden rows for a "
+                                 f"layout of {t_local} (the draft's split must equal the target's)")
+        local.spec_hidden_states, local.spec_topk_indices = fb.spec_hidden_states, fb.spec_topk_indices
+    else:
+        idx = safe_rows.to(fb.spec_hidden_states.device, non_blocking=True)
+        local.spec_hidden_states = fb.spec_hidden_states[idx]
+        local.spec_topk_indices = fb.spec_topk_indices[idx] if fb.spec_topk_indices is not None else None
+    local.spec_rows_local = True
+    if DRAFT_SHARED_KV_DEBUG:
+        pool = fb.token_to_kv_pool
+        pages = torch.unique(store_loc[is_valid] // pool.page_size).tolist()
+        rec = dict(rank=rank, pool=f"{type(pool).__name__}@{id(pool):x}", pool_layers=pool.layer_num,
+                   pool_slots=pool.size, local_rows=t_local, valid_rows=int(is_valid.sum()),
+                   hidden_rows=int(local.spec_hidden_states.shape[0]), hidden_local_input=bool(fb.spec_rows_local),
+                   direct_local_writes=aligned, physical_pages=pages)
+        DRAFT_KV_DEBUG_RECORDS.append(rec)
+        logger.info("CP draft shared KV: %s", rec)
 
 
 class NSAContextParallelBackend(AttentionBackend):

@@ -60,18 +60,31 @@ class Indexer(nn.Module):
         k = torch.cat([k_rot, k[..., r:]], dim=-1)
         return q, k
 
+    def _rotates(self, forward_batch: ForwardBatch) -> bool:
+        return forward_batch.token_to_kv_pool.is_fp8 and not (self.head_dim & (self.head_dim - 1))
+
     def forward(
         self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         """Stores this step's index K and returns top-k positions [T, index_topk] (int32, -1 padded)."""
         q, k = self._project(x, q_lora, positions)
-        fp8 = forward_batch.token_to_kv_pool.is_fp8
-        if fp8 and not (self.head_dim & (self.head_dim - 1)):
+        if self._rotates(forward_batch):
             q, k = hadamard_rotate(q), hadamard_rotate(k)
         backend = forward_batch.attn_backend
         backend.store_index_k(self.layer_id, k, forward_batch)
         weights = self.weights_proj(x.float()) * self.n_heads**-0.5  # [T, H] fp32
         return backend.index_topk(self, q, weights, forward_batch)
+
+    def store_k(self, x: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> None:
+        """Store this step's index K without scoring: a layer that reuses a handed top-k (the NextN
+        draft given the target's) still needs its own index K for the steps that score."""
+        k = self.k_norm(self.wk(x))
+        r = self.rope_head_dim
+        cos, sin = self.rotary_emb.cos_sin(positions, k.dtype)
+        k = torch.cat([self.rotary_emb._rotate(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        if self._rotates(forward_batch):
+            k = hadamard_rotate(k)
+        forward_batch.attn_backend.store_index_k(self.layer_id, k, forward_batch)
 
 
 def causal_topk(positions: torch.Tensor, topk: int) -> torch.Tensor:

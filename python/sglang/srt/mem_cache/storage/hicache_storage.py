@@ -1,0 +1,343 @@
+"""HiCache L3 storage: the key of a page, what a stored page is, and the backend interface.
+
+Key: `get_hash_str(page_tokens, prior_hash)`, a SHA-256 chained over full pages (upstream's
+function, same bytes): page i's key depends on every token of pages 0..i, so equal keys mean an
+equal prefix and a different earlier page changes every later key. `page_hashes` is the one place
+that cuts a token list into page keys.
+
+Value: ONE page of ALL layers, as a self-describing blob
+
+    fixed header  magic, meta length, payload count, CRC-32 of the payload, SHA-256 of the key
+    layout meta   JSON of the pool layout (layer count, kv row bytes, page size, dtype, index
+                  layer ids, index-K bytes per page): a reader with another layout refuses it
+    lengths       u64 per payload: layer_num MLA KV pages, then one index-K page per index layer
+    payload       the bytes, in that order
+
+Integrity, decided here for every backend: a blob from another pool layout raises
+`StorageLayoutError` (a configuration error, never a silent wrong copy); a blob whose index-K
+sidecar is missing or shorter than a page, that is truncated, fails its CRC or belongs to another
+key is a miss (logged, counted), never a partial load: the MLA KV without its index K is the
+"main KV byte-perfect, output garbage" failure (Mooncake#2236).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import struct
+import zlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from sglang.srt.mem_cache.memory_pool import KVPoolLayout, PagePayload
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_MAGIC = b"SGLKVPG1"
+_FIXED = struct.Struct("<8sIII32s")  # magic, meta_len, n_payloads, payload crc32, sha256(key)
+
+
+# -- keys ------------------------------------------------------------------------------------------
+def get_hash_str(token_ids: Sequence[int], prior_hash: str | None = None) -> str:
+    """SHA-256 hex of (prior page's hash bytes, then each token as u32 little-endian): upstream's key."""
+    h = hashlib.sha256()
+    if prior_hash:
+        h.update(bytes.fromhex(prior_hash))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return h.hexdigest()
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, prior_hash: str | None = None) -> list[str]:
+    """Keys of the full pages of `token_ids` (a trailing partial page has none), chained from
+    `prior_hash` (the key of the page before `token_ids[0]`, None at the start of a sequence)."""
+    keys: list[str] = []
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        prior_hash = get_hash_str(token_ids[start : start + page_size], prior_hash)
+        keys.append(prior_hash)
+    return keys
+
+
+# -- values ----------------------------------------------------------------------------------------
+class StorageLayoutError(ValueError):
+    """A stored page was written by a pool of another layout (model, dtype, page size, IndexCache
+    schedule): the store is shared with an incompatible server. Use another directory / namespace."""
+
+
+@dataclass
+class PageData:
+    """One page of every layer, as raw bytes (1-D uint8 CPU tensors): `kv[l]` the MLA KV page of
+    layer l (page_size rows), `index_k[j]` the index-K page of layout.index_layer_ids[j]."""
+
+    kv: list[torch.Tensor]
+    index_k: list[torch.Tensor]
+
+
+class PagedKV(Protocol):
+    """What the storage reads pages from and writes them to: a device KV pool or its host mirror."""
+
+    def layout(self) -> KVPoolLayout: ...
+
+    def page_payloads(self, layer_id: int) -> list[PagePayload]: ...
+
+
+def layout_meta(layout: KVPoolLayout) -> dict:
+    """The layout fields a stored page must agree on (not num_pages: pools of any size share pages)."""
+    return {
+        "format": FORMAT_VERSION,
+        "layer_num": layout.layer_num,
+        "kv_cache_dim": layout.kv_cache_dim,
+        "kv_row_bytes": layout.kv_row_bytes,
+        "page_size": layout.page_size,
+        "dtype": str(layout.dtype).removeprefix("torch."),
+        "index_layer_ids": list(layout.index_layer_ids),
+        "index_k_bytes_per_page": layout.index_k_bytes_per_page,
+    }
+
+
+class PageCodec:
+    """Encodes / decodes the page blob of one layout (sizes precomputed: all full blobs of a layout
+    have the same length, `blob_size`, so backends can stage them in fixed slots)."""
+
+    def __init__(self, layout: KVPoolLayout) -> None:
+        self.layout = layout
+        self.meta = layout_meta(layout)
+        self._meta_bytes = json.dumps(self.meta, sort_keys=True, separators=(",", ":")).encode()
+        self.lengths = [layout.kv_bytes_per_page] * layout.layer_num + \
+            [layout.index_k_bytes_per_page] * len(layout.index_layer_ids)
+        self.n_payloads = len(self.lengths)
+        self.header_size = _FIXED.size + len(self._meta_bytes) + 8 * self.n_payloads
+        self.payload_size = sum(self.lengths)
+        self.blob_size = self.header_size + self.payload_size
+
+    # -- encode ------------------------------------------------------------------------------------
+    def encode(self, key: str, page: PageData, out: memoryview | None = None, strict: bool = True) -> memoryview:
+        """The blob of `page`, written into `out` (>= blob_size bytes) or a new buffer. `strict=False`
+        only lets tests forge a short sidecar, as a buggy writer would."""
+        parts = [*page.kv, *page.index_k]
+        lengths = [int(t.numel()) * t.element_size() for t in parts]
+        if len(page.kv) != self.layout.layer_num or len(page.index_k) != len(self.layout.index_layer_ids):
+            raise ValueError(f"page has {len(page.kv)} KV / {len(page.index_k)} index-K payloads, layout wants "
+                             f"{self.layout.layer_num} / {len(self.layout.index_layer_ids)}")
+        if strict and lengths != self.lengths:
+            raise ValueError(f"page payload lengths {lengths} differ from the layout's {self.lengths}")
+        size = self.header_size + sum(lengths)
+        buf = memoryview(bytearray(size)) if out is None else out[:size]
+        dst = torch.frombuffer(buf, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        off = self.header_size
+        for t, n in zip(parts, lengths):
+            dst[off : off + n].copy_(t.reshape(-1).view(torch.uint8))
+            off += n
+        crc = zlib.crc32(buf[self.header_size : size])
+        fixed = _FIXED.pack(_MAGIC, len(self._meta_bytes), self.n_payloads, crc, hashlib.sha256(key.encode()).digest())
+        m0 = _FIXED.size
+        buf[:m0] = fixed
+        buf[m0 : m0 + len(self._meta_bytes)] = self._meta_bytes
+        l0 = m0 + len(self._meta_bytes)
+        buf[l0 : self.header_size] = struct.pack(f"<{self.n_payloads}Q", *lengths)
+        return buf
+
+    # -- decode ------------------------------------------------------------------------------------
+    def decode(self, key: str, blob: bytes | bytearray | memoryview, where: str = "") -> PageData | None:
+        """The page, or None (logged) when the blob is unusable; StorageLayoutError for another layout.
+        The returned tensors view `blob` (pass a writable buffer the caller no longer reuses)."""
+        blob = memoryview(blob)
+        what = f"stored page {key[:16]}{' at ' + where if where else ''}"
+        if len(blob) < _FIXED.size:
+            return _miss(what, f"truncated header ({len(blob)} bytes)")
+        magic, meta_len, n, crc, digest = _FIXED.unpack_from(blob)
+        if magic != _MAGIC:
+            return _miss(what, "bad magic (not a page blob)")
+        if len(blob) < _FIXED.size + meta_len:
+            return _miss(what, "truncated layout header")
+        try:
+            meta = json.loads(bytes(blob[_FIXED.size : _FIXED.size + meta_len]))
+        except ValueError:
+            return _miss(what, "unreadable layout header")
+        if meta != self.meta:
+            diff = {k: (meta.get(k), v) for k, v in self.meta.items() if meta.get(k) != v}
+            raise StorageLayoutError(f"{what} was written for another KV layout: stored vs this pool {diff}; "
+                                     "a store shared by servers of different models / dtypes / page sizes / "
+                                     "IndexCache schedules needs a separate directory or namespace")
+        if n != self.n_payloads:
+            return _miss(what, f"{n} payloads, layout has {self.n_payloads}")
+        if digest != hashlib.sha256(key.encode()).digest():
+            return _miss(what, "it belongs to another key")
+        l0 = _FIXED.size + meta_len
+        if len(blob) < l0 + 8 * n:
+            return _miss(what, "truncated length table")
+        lengths = list(struct.unpack_from(f"<{n}Q", blob, l0))
+        kv_n = self.layout.layer_num
+        for j, (got, want) in enumerate(zip(lengths[kv_n:], self.lengths[kv_n:])):
+            if got != want:  # the sidecar rule: never load KV whose index K is missing or short
+                return _miss(what, f"index-K sidecar of layer {self.layout.index_layer_ids[j]} has {got} bytes, "
+                                   f"a page needs {want}")
+        if lengths != self.lengths:
+            return _miss(what, f"KV payload lengths {lengths[:kv_n]} differ from {self.lengths[:kv_n]}")
+        if len(blob) != self.blob_size:
+            return _miss(what, f"{len(blob)} bytes, a page blob has {self.blob_size} (truncated or padded)")
+        if zlib.crc32(blob[self.header_size :]) != crc:
+            return _miss(what, "checksum mismatch (corrupt)")
+        data = torch.frombuffer(blob, dtype=torch.uint8) if not blob.readonly else \
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        parts, off = [], self.header_size
+        for ln in lengths:
+            parts.append(data[off : off + ln])
+            off += ln
+        return PageData(kv=parts[:kv_n], index_k=parts[kv_n:])
+
+
+def _miss(what: str, reason: str) -> None:
+    logger.warning("HiCache storage: %s ignored (a miss): %s", what, reason)
+    return None
+
+
+# -- pool <-> pages --------------------------------------------------------------------------------
+def check_same_layout(a: KVPoolLayout, b: KVPoolLayout, what: str = "pool") -> None:
+    if layout_meta(a) != layout_meta(b):
+        diff = {k: (v, layout_meta(b)[k]) for k, v in layout_meta(a).items() if layout_meta(b)[k] != v}
+        raise StorageLayoutError(f"{what} layout differs from the storage's: {diff}")
+
+
+def _as_index(pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    return pages.to(torch.int64).cpu() if isinstance(pages, torch.Tensor) else torch.tensor(list(pages), dtype=torch.int64)
+
+
+def read_pool_pages(pool: PagedKV, pages: Sequence[int] | torch.Tensor) -> list[PageData]:
+    """Copy pages (pool page ids) of every layer out of `pool` (device or host) into PageData."""
+    layout = pool.layout()
+    idx = _as_index(pages)
+    out = [PageData(kv=[], index_k=[]) for _ in range(len(idx))]
+    index_layers = set(layout.index_layer_ids)
+    for layer in range(layout.layer_num):
+        payloads = {p.name: p.buffer for p in pool.page_payloads(layer)}
+        kinds = [("kv", "kv")] + ([("index_k", "index_k")] if layer in index_layers else [])
+        for name, attr in kinds:
+            buf = payloads[name]
+            rows = buf[idx.to(buf.device)].cpu().contiguous().view(torch.uint8).reshape(len(idx), -1)
+            for i, d in enumerate(out):
+                getattr(d, attr).append(rows[i])
+    return out
+
+
+def write_pool_pages(pool: PagedKV, pages: Sequence[int] | torch.Tensor, data: Sequence[PageData]) -> None:
+    """Write PageData (from `batch_get`) into pool pages `pages` (same order), every layer."""
+    layout = pool.layout()
+    idx = _as_index(pages)
+    if len(idx) != len(data):
+        raise ValueError(f"{len(idx)} pages but {len(data)} page values")
+    if not len(idx):
+        return
+    index_slot = {lid: j for j, lid in enumerate(layout.index_layer_ids)}
+    for layer in range(layout.layer_num):
+        for p in pool.page_payloads(layer):
+            if p.name == "kv":
+                rows = [d.kv[layer] for d in data]
+            elif p.name == "index_k":
+                rows = [d.index_k[index_slot[layer]] for d in data]
+            else:
+                raise ValueError(f"unknown page payload {p.name!r} of layer {layer}")
+            width = p.buffer.shape[1] * p.buffer.element_size()
+            stacked = torch.stack(rows).view(p.buffer.dtype)
+            if tuple(stacked.shape) != (len(idx), p.buffer.shape[1]):
+                raise ValueError(f"layer {layer} {p.name}: page values of {rows[0].numel()} bytes, pool pages have "
+                                 f"{width}")
+            p.buffer[idx.to(p.buffer.device)] = stacked.to(p.buffer.device)
+
+
+# -- the backend interface ------------------------------------------------------------------------
+class HiCacheStorage(ABC):
+    """An L3 page store keyed by `page_hashes` keys. Pages are immutable (content-addressed): a key
+    once written always means the same bytes, so a set of an existing key may be skipped.
+
+    Backends implement the byte-level `_put` / `_get` / `_exists_prefix` / `clear`; encoding,
+    decoding and the integrity rules live here, once. Thread-safety: one caller thread (the
+    HiCache controller's storage thread); backends with their own writer threads lock inside.
+    """
+
+    def __init__(self, layout: KVPoolLayout, namespace: str = "") -> None:
+        self.layout = layout
+        self.codec = PageCodec(layout)
+        self.namespace = namespace
+        self.stats = {"set": 0, "get_hit": 0, "get_miss": 0, "invalid": 0}
+
+    # -- public API ----------------------------------------------------------------------------
+    def batch_set(self, keys: Sequence[str], values: Sequence[PageData]) -> list[bool]:
+        """Store pages; True per key accepted (a write-behind backend may still be writing: `flush`).
+        The values are encoded before this returns, so the caller may reuse their memory."""
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        for k in keys:
+            _check_key(k)
+        ok = self._put(list(keys), values)
+        self.stats["set"] += sum(ok)
+        return ok
+
+    def batch_get(self, keys: Sequence[str]) -> list[PageData | None]:
+        """Each page, or None (absent, or unusable: see the module doc). Raises StorageLayoutError
+        for a page of another layout."""
+        for k in keys:
+            _check_key(k)
+        blobs = self._get(list(keys))
+        out: list[PageData | None] = []
+        for k, b in zip(keys, blobs):
+            page = None if b is None else self.codec.decode(k, b, where=self._where(k))
+            if b is not None and page is None:
+                self.stats["invalid"] += 1
+                self._drop_invalid(k)
+            out.append(page)
+        self.stats["get_hit"] += sum(p is not None for p in out)
+        self.stats["get_miss"] += sum(p is None for p in out)
+        return out
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """How many leading keys are stored (a prefix hit of that many pages). Existence only: a
+        later `batch_get` may still miss on a corrupt page, so loads stop at the first None."""
+        for k in keys:
+            _check_key(k)
+        return self._exists_prefix(list(keys)) if keys else 0
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every page of this namespace (pending writes included)."""
+
+    def flush(self) -> None:
+        """Return once every accepted `batch_set` is readable by a new instance (no-op if synchronous)."""
+
+    def close(self) -> None:
+        self.flush()
+
+    # -- backend hooks -------------------------------------------------------------------------
+    def encode(self, key: str, page: PageData, out: memoryview | None = None) -> memoryview:
+        return self.codec.encode(key, page, out)
+
+    @abstractmethod
+    def _put(self, keys: list[str], values: Sequence[PageData]) -> list[bool]: ...
+
+    @abstractmethod
+    def _get(self, keys: list[str]) -> list[bytes | bytearray | memoryview | None]: ...
+
+    @abstractmethod
+    def _exists_prefix(self, keys: list[str]) -> int: ...
+
+    def _drop_invalid(self, key: str) -> None:
+        """A stored page failed its checks: remove it so `batch_exists` stops counting it."""
+
+    def _where(self, key: str) -> str:
+        return ""
+
+
+def _check_key(key: str) -> None:
+    # Keys become file names and store keys: hex hashes (or similar) only, never a path.
+    if not isinstance(key, str) or not key or len(key) > 200 or key.startswith(".") or \
+            not all(c.isalnum() or c in "-_." for c in key):
+        raise ValueError(f"invalid storage key {key!r}: use page_hashes() keys")
+
+
+__all__ = ["FORMAT_VERSION", "HiCacheStorage", "PageCodec", "PageData", "PagedKV", "StorageLayoutError",
+           "check_same_layout", "get_hash_str", "layout_meta", "page_hashes", "read_pool_pages",
+           "write_pool_pages"]

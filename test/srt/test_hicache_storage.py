@@ -312,8 +312,11 @@ def mooncake_master(tmp_path_factory):
     from sglang.srt.mem_cache.storage.mooncake_store import import_mooncake_store
 
     import_mooncake_store()  # fails loudly (naming the package and Debian libs) if the native lib cannot load
-    binary = shutil.which("mooncake_master")
-    assert binary, "mooncake_master is not on PATH (installed by mooncake-transfer-engine-non-cuda)"
+    import mooncake
+
+    # the wheel installs it on PATH (venv bin/) and inside the package: the latter works unactivated
+    binary = shutil.which("mooncake_master") or os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    assert os.access(binary, os.X_OK), "mooncake_master not found (installed by mooncake-transfer-engine-non-cuda)"
     rpc, http = _free_port(), _free_port()
     log = tmp_path_factory.mktemp("mooncake") / "master.log"
     proc = subprocess.Popen([binary, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",

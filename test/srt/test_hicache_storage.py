@@ -399,3 +399,79 @@ def test_mooncake_missing_package_names_it(monkeypatch):
 
     with pytest.raises(ImportError, match="mooncake-transfer-engine-non-cuda"):
         import_mooncake_store()
+
+
+# -- what the HiCache controller calls -------------------------------------------------------------
+def test_store_and_load_pool_pages_stop_at_the_first_miss(file_store):
+    from sglang.srt.mem_cache.storage import load_pool_pages, store_pool_pages
+
+    src = _pool([0, 3])
+    s = file_store(src.layout())
+    keys = _keys(4)
+    assert store_pool_pages(s, src, [1, 2, 4], [keys[0], keys[1], keys[3]]) == [True] * 3
+    dst = _pool([0, 3], fill=False)
+    before = _page_bytes(dst, 8)
+    assert load_pool_pages(s, dst, [5, 6, 7, 8], keys) == 2  # keys[2] missing: a 2-page prefix hit
+    assert _page_bytes(dst, 5) == _page_bytes(src, 1) and _page_bytes(dst, 6) == _page_bytes(src, 2)
+    assert _page_bytes(dst, 8) == before  # nothing after the miss is written, even though keys[3] exists
+    with pytest.raises(StorageLayoutError):
+        load_pool_pages(s, _pool([0, 2], fill=False), [1], keys[:1])
+    with pytest.raises(StorageLayoutError):
+        store_pool_pages(s, _pool([0, 2]), [1], keys[:1])
+
+
+def test_duplicate_keys_in_one_batch_are_stored_once(file_store):
+    src = _pool()
+    s = file_store(src.layout())
+    k = _keys(2)
+    pages = read_pool_pages(src, [1, 1, 2])
+    assert s.batch_set([k[0], k[0], k[1]], pages) == [True] * 3
+    s.flush()
+    assert s.num_pages() == 2 and s.stats["set"] == 2
+
+
+def _concurrent_set_and_get(store_w, store_r, src):
+    """A backup thread sets pages while a prefetch thread gets them: every page read is whole."""
+    import threading
+
+    keys = _keys(12, seed=3)
+    pages = read_pool_pages(src, list(range(1, 13)))
+    errors, seen = [], []
+
+    def writer():
+        for i in range(0, 12, 3):
+            store_w.batch_set(keys[i : i + 3], pages[i : i + 3])
+
+    def reader():
+        deadline = time.monotonic() + 30
+        while len(seen) < 12 and time.monotonic() < deadline:
+            for i, got in enumerate(store_r.batch_get(keys)):
+                if got is not None:
+                    if bytes(got.index_k[-1].numpy()) != bytes(pages[i].index_k[-1].numpy()):
+                        errors.append(i)
+                    if i not in seen:
+                        seen.append(i)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sorted(seen) == list(range(12))
+
+
+def test_file_concurrent_backup_and_prefetch(file_store):
+    src = _pool([2])
+    s = file_store(src.layout(), write_queue_size=1)
+    _concurrent_set_and_get(s, s, src)
+
+
+def test_mooncake_concurrent_backup_and_prefetch(mooncake_master):
+    src = _pool([2])
+    s = create_storage_backend("mooncake", src.layout(), {**mooncake_master, "staging_pages": 2}, namespace="conc")
+    try:
+        _concurrent_set_and_get(s, s, src)
+        assert s.batch_set(_keys(2, seed=3), read_pool_pages(src, [1, 2])) == [True, True]  # already stored
+    finally:
+        s.clear()
+        s.close()

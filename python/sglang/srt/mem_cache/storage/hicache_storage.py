@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import struct
+import threading
 import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -250,14 +251,32 @@ def write_pool_pages(pool: PagedKV, pages: Sequence[int] | torch.Tensor, data: S
             p.buffer[idx.to(p.buffer.device)] = stacked.to(p.buffer.device)
 
 
+def store_pool_pages(storage: "HiCacheStorage", pool: PagedKV, pages: Sequence[int] | torch.Tensor,
+                     keys: Sequence[str]) -> list[bool]:
+    """Back up `pool` pages (every layer, MLA KV + index K) under `keys` (page_hashes of their prefix)."""
+    check_same_layout(pool.layout(), storage.layout)
+    return storage.batch_set(keys, read_pool_pages(pool, pages))
+
+
+def load_pool_pages(storage: "HiCacheStorage", pool: PagedKV, pages: Sequence[int] | torch.Tensor,
+                    keys: Sequence[str]) -> int:
+    """Read `keys` from storage into `pool` pages (same order); returns n, the leading pages loaded:
+    pages[:n] hold the stored pages, pages[n:] are untouched (the first miss ends a prefix hit)."""
+    check_same_layout(pool.layout(), storage.layout)
+    got = storage.batch_get(keys)
+    n = next((i for i, p in enumerate(got) if p is None), len(got))
+    write_pool_pages(pool, list(_as_index(pages)[:n].tolist()), got[:n])
+    return n
+
+
 # -- the backend interface ------------------------------------------------------------------------
 class HiCacheStorage(ABC):
     """An L3 page store keyed by `page_hashes` keys. Pages are immutable (content-addressed): a key
-    once written always means the same bytes, so a set of an existing key may be skipped.
+    once written always means the same bytes, so a set of an existing key is skipped.
 
     Backends implement the byte-level `_put` / `_get` / `_exists_prefix` / `clear`; encoding,
-    decoding and the integrity rules live here, once. Thread-safety: one caller thread (the
-    HiCache controller's storage thread); backends with their own writer threads lock inside.
+    decoding and the integrity rules live here, once. Thread-safety: one thread setting and one
+    thread getting at the same time (upstream's backup and prefetch threads) is supported.
     """
 
     def __init__(self, layout: KVPoolLayout, namespace: str = "") -> None:
@@ -265,17 +284,27 @@ class HiCacheStorage(ABC):
         self.codec = PageCodec(layout)
         self.namespace = namespace
         self.stats = {"set": 0, "get_hit": 0, "get_miss": 0, "invalid": 0}
+        self._stats_lock = threading.Lock()
+
+    def _count(self, **inc: int) -> None:
+        with self._stats_lock:
+            for k, v in inc.items():
+                self.stats[k] += v
 
     # -- public API ----------------------------------------------------------------------------
     def batch_set(self, keys: Sequence[str], values: Sequence[PageData]) -> list[bool]:
-        """Store pages; True per key accepted (a write-behind backend may still be writing: `flush`).
-        The values are encoded before this returns, so the caller may reuse their memory."""
+        """Store pages; True per key stored or already present (a write-behind backend may still be
+        writing: `flush`). The values are encoded before this returns: the caller may reuse them."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        for k in keys:
+        first: dict[str, int] = {}
+        for i, k in enumerate(keys):
             _check_key(k)
-        ok = self._put(list(keys), values)
-        self.stats["set"] += sum(ok)
+            first.setdefault(k, i)  # a key twice in one batch: the same page, stored once
+        uniq = list(first)
+        ok_uniq = dict(zip(uniq, self._put(uniq, [values[first[k]] for k in uniq]))) if uniq else {}
+        ok = [ok_uniq[k] for k in keys]
+        self._count(set=sum(ok_uniq.values()))
         return ok
 
     def batch_get(self, keys: Sequence[str]) -> list[PageData | None]:
@@ -283,16 +312,16 @@ class HiCacheStorage(ABC):
         for a page of another layout."""
         for k in keys:
             _check_key(k)
-        blobs = self._get(list(keys))
+        blobs = self._get(list(keys)) if keys else []
         out: list[PageData | None] = []
         for k, b in zip(keys, blobs):
             page = None if b is None else self.codec.decode(k, b, where=self._where(k))
             if b is not None and page is None:
-                self.stats["invalid"] += 1
+                self._count(invalid=1)
                 self._drop_invalid(k)
             out.append(page)
-        self.stats["get_hit"] += sum(p is not None for p in out)
-        self.stats["get_miss"] += sum(p is None for p in out)
+        hits = sum(p is not None for p in out)
+        self._count(get_hit=hits, get_miss=len(out) - hits)
         return out
 
     def batch_exists(self, keys: Sequence[str]) -> int:
@@ -340,5 +369,5 @@ def _check_key(key: str) -> None:
 
 
 __all__ = ["FORMAT_VERSION", "HiCacheStorage", "PageCodec", "PageData", "PagedKV", "StorageLayoutError",
-           "check_same_layout", "get_hash_str", "layout_meta", "page_hashes", "read_pool_pages",
-           "write_pool_pages"]
+           "check_same_layout", "get_hash_str", "layout_meta", "load_pool_pages", "page_hashes",
+           "read_pool_pages", "store_pool_pages", "write_pool_pages"]

@@ -9,8 +9,8 @@ Config (upstream's names): extra config keys, else env, else default --
     global_segment_size    MOONCAKE_GLOBAL_SEGMENT_SIZE   4gb: memory this process lends the store
     local_buffer_size      MOONCAKE_LOCAL_BUFFER_SIZE     16mb
     staging_pages          -                              64: pages per registered staging slab
-A namespace becomes a key prefix. Transfers are zero-copy between Mooncake and one registered
-staging slab: pages are encoded straight into it for `batch_put_from` and read into it by
+A namespace becomes a key prefix. Transfers are zero-copy between Mooncake and a registered
+staging slab per direction: pages are encoded straight into one for `batch_put_from` and read into the other by
 `batch_get_into` (one copy out, so returned pages never alias the slab).
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from typing import Sequence
 
 import torch
@@ -93,58 +94,64 @@ class MooncakeStore(HiCacheStorage):
                                f"{c['master_server_address']} and the metadata server reachable?")
         self._prefix = f"{namespace}/" if namespace else ""
         self._slot = self.codec.blob_size + _GET_SLACK
-        self._slab: torch.Tensor | None = None
-        self._ensure_slab(max(1, c["staging_pages"]))
+        self._chunk = max(1, c["staging_pages"])
+        # one registered slab per direction, so a backup thread and a prefetch thread never share one
+        self._slabs: dict[str, torch.Tensor] = {}
+        self._locks = {"put": threading.Lock(), "get": threading.Lock()}
+        for direction in self._locks:
+            self._register(direction)
 
-    def _ensure_slab(self, n_pages: int) -> torch.Tensor:
-        need = n_pages * self._slot
-        if self._slab is None or self._slab.numel() < need:
-            if self._slab is not None:
-                self.store.unregister_buffer(self._slab.data_ptr())
-            self._slab = torch.empty(need, dtype=torch.uint8)
-            rc = self.store.register_buffer(self._slab.data_ptr(), need)
+    def _register(self, direction: str) -> torch.Tensor:
+        slab = self._slabs.get(direction)
+        if slab is None:
+            slab = torch.empty(self._chunk * self._slot, dtype=torch.uint8)
+            rc = self.store.register_buffer(slab.data_ptr(), slab.numel())
             if rc != 0:
-                raise RuntimeError(f"Mooncake register_buffer of {need} bytes failed (rc {rc})")
-        return self._slab
+                raise RuntimeError(f"Mooncake register_buffer of {slab.numel()} bytes failed (rc {rc})")
+            self._slabs[direction] = slab
+        return slab
 
     def _k(self, key: str) -> str:
         return self._prefix + key
 
-    def _chunks(self, n: int) -> list[range]:
-        step = max(1, self.config["staging_pages"])
-        return [range(i, min(n, i + step)) for i in range(0, n, step)]
+    def _chunks(self, idx: list[int]) -> list[list[int]]:
+        return [idx[i : i + self._chunk] for i in range(0, len(idx), self._chunk)]
 
     def _put(self, keys: list[str], values: Sequence[PageData]) -> list[bool]:
-        ok = [False] * len(keys)
-        slab = self._ensure_slab(min(len(keys), max(1, self.config["staging_pages"])))
-        base, view = slab.data_ptr(), memoryview(slab.numpy())
-        for chunk in self._chunks(len(keys)):
-            ptrs, sizes = [], []
-            for j, i in enumerate(chunk):
-                blob = self.encode(keys[i], values[i], view[j * self._slot : (j + 1) * self._slot])
-                ptrs.append(base + j * self._slot)
-                sizes.append(len(blob))
-            rcs = self.store.batch_put_from([self._k(keys[i]) for i in chunk], ptrs, sizes)
-            for i, rc in zip(chunk, rcs):
-                ok[i] = rc == 0
-                if rc != 0:
-                    logger.warning("Mooncake put of page %s failed (rc %s): the page stays uncached", keys[i][:16], rc)
+        present = self.store.batch_is_exist([self._k(k) for k in keys])
+        ok = [rc == 1 for rc in present]  # content-addressed: a stored key is this page
+        with self._locks["put"]:
+            slab = self._slabs["put"]
+            base, view = slab.data_ptr(), memoryview(slab.numpy())
+            for chunk in self._chunks([i for i, done in enumerate(ok) if not done]):
+                ptrs, sizes = [], []
+                for j, i in enumerate(chunk):
+                    blob = self.encode(keys[i], values[i], view[j * self._slot : (j + 1) * self._slot])
+                    ptrs.append(base + j * self._slot)
+                    sizes.append(len(blob))
+                rcs = self.store.batch_put_from([self._k(keys[i]) for i in chunk], ptrs, sizes)
+                for i, rc in zip(chunk, rcs):
+                    ok[i] = rc == 0
+                    if rc != 0:
+                        logger.warning("Mooncake put of page %s failed (rc %s): the page stays uncached",
+                                       keys[i][:16], rc)
         return ok
 
     def _get(self, keys: list[str]) -> list[bytearray | None]:
         out: list[bytearray | None] = [None] * len(keys)
-        slab = self._ensure_slab(min(len(keys), max(1, self.config["staging_pages"])))
-        base, view = slab.data_ptr(), memoryview(slab.numpy())
-        for chunk in self._chunks(len(keys)):
-            ptrs = [base + j * self._slot for j in range(len(chunk))]
-            rcs = self.store.batch_get_into([self._k(keys[i]) for i in chunk], ptrs, [self._slot] * len(chunk))
-            for j, (i, rc) in enumerate(zip(chunk, rcs)):
-                if rc >= 0:
-                    out[i] = bytearray(view[j * self._slot : j * self._slot + rc])
-                elif rc == _BUFFER_TOO_SMALL:  # larger than any page of our layout: fetch it so decode can say why
-                    out[i] = bytearray(self.store.get(self._k(keys[i])))
-                elif rc != _OBJECT_NOT_FOUND:
-                    logger.warning("Mooncake get of page %s failed (rc %s): a miss", keys[i][:16], rc)
+        with self._locks["get"]:
+            slab = self._slabs["get"]
+            base, view = slab.data_ptr(), memoryview(slab.numpy())
+            for chunk in self._chunks(list(range(len(keys)))):
+                ptrs = [base + j * self._slot for j in range(len(chunk))]
+                rcs = self.store.batch_get_into([self._k(keys[i]) for i in chunk], ptrs, [self._slot] * len(chunk))
+                for j, (i, rc) in enumerate(zip(chunk, rcs)):
+                    if rc >= 0:  # copied out: the slab is reused by the next chunk / call
+                        out[i] = bytearray(view[j * self._slot : j * self._slot + rc])
+                    elif rc == _BUFFER_TOO_SMALL:  # larger than any page of our layout: fetch it so decode says why
+                        out[i] = bytearray(self.store.get(self._k(keys[i])))
+                    elif rc != _OBJECT_NOT_FOUND:
+                        logger.warning("Mooncake get of page %s failed (rc %s): a miss", keys[i][:16], rc)
         return out
 
     def _exists_prefix(self, keys: list[str]) -> int:
@@ -167,8 +174,8 @@ class MooncakeStore(HiCacheStorage):
 
     def close(self) -> None:
         if self.store is not None:
-            if self._slab is not None:
-                self.store.unregister_buffer(self._slab.data_ptr())
-                self._slab = None
+            for slab in self._slabs.values():
+                self.store.unregister_buffer(slab.data_ptr())
+            self._slabs.clear()
             self.store.close()
             self.store = None

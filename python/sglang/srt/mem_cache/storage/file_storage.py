@@ -16,6 +16,8 @@ import queue
 import threading
 from typing import Sequence
 
+import numpy
+
 from sglang.srt.mem_cache.memory_pool import KVPoolLayout
 from sglang.srt.mem_cache.storage.hicache_storage import HiCacheStorage, PageData
 
@@ -130,9 +132,9 @@ class HiCacheFile(HiCacheStorage):
             try:
                 with open(self.path(k), "rb") as f:
                     size = os.fstat(f.fileno()).st_size
-                    buf = bytearray(size)
+                    buf = memoryview(numpy.empty(size, dtype=numpy.uint8))  # not zeroed: readinto fills it
                     n = f.readinto(buf)
-                out.append(buf if n == size else memoryview(buf)[:n])
+                out.append(buf if n == size else buf[:n])
             except FileNotFoundError:
                 out.append(None)
             except OSError as e:

@@ -475,3 +475,29 @@ def test_mooncake_concurrent_backup_and_prefetch(mooncake_master):
     finally:
         s.clear()
         s.close()
+
+
+def test_namespaces_separate_servers_and_are_never_paths(tmp_path):
+    from sglang.srt.mem_cache.storage import storage_namespace
+
+    ns_a, ns_b = storage_namespace("org/model", 0), storage_namespace("org_model", 0)
+    assert ns_a != ns_b and ns_a.startswith("org_model-0-") and "/" not in ns_a
+    src = _pool()
+    a = create_storage_backend("file", src.layout(), {"file_path": str(tmp_path)}, namespace=ns_a)
+    b = create_storage_backend("file", src.layout(), {"file_path": str(tmp_path)}, namespace=ns_b)
+    try:
+        a.batch_set(_keys(1), read_pool_pages(src, [1]))
+        a.flush()
+        assert a.batch_exists(_keys(1)) == 1 and b.batch_exists(_keys(1)) == 0
+    finally:
+        a.close()
+        b.close()
+    for bad in ("../x", "a/b", ".hidden"):
+        with pytest.raises(ValueError, match="invalid storage namespace"):
+            create_storage_backend("file", src.layout(), {"file_path": str(tmp_path)}, namespace=bad)
+    s = create_storage_backend("file", src.layout(), {"file_path": str(tmp_path)})
+    try:
+        with pytest.raises(ValueError, match="invalid storage key"):
+            s.batch_exists(["../etc"])
+    finally:
+        s.close()

@@ -9,6 +9,7 @@ from sglang.srt.mem_cache.storage.hicache_storage import (
     load_pool_pages,
     page_hashes,
     read_pool_pages,
+    storage_namespace,
     store_pool_pages,
     write_pool_pages,
 )
@@ -22,4 +23,4 @@ from sglang.srt.mem_cache.storage.registry import (
 
 __all__ = ["HiCacheStorage", "PREFETCH_POLICIES", "PageCodec", "PageData", "STORAGE_BACKEND_NAMES",
            "StorageConfigError", "StorageLayoutError", "create_storage_backend", "get_hash_str", "load_pool_pages",
-           "page_hashes", "read_pool_pages", "store_pool_pages", "validate_storage_args", "write_pool_pages"]
+           "page_hashes", "read_pool_pages", "storage_namespace", "store_pool_pages", "validate_storage_args", "write_pool_pages"]

@@ -280,6 +280,8 @@ class HiCacheStorage(ABC):
     """
 
     def __init__(self, layout: KVPoolLayout, namespace: str = "") -> None:
+        if namespace:
+            _check_key(namespace, "namespace")  # becomes a directory / key prefix: see storage_namespace()
         self.layout = layout
         self.codec = PageCodec(layout)
         self.namespace = namespace
@@ -361,13 +363,22 @@ class HiCacheStorage(ABC):
         return ""
 
 
-def _check_key(key: str) -> None:
-    # Keys become file names and store keys: hex hashes (or similar) only, never a path.
+def _check_key(key: str, what: str = "key") -> None:
+    # Keys and namespaces become file names and store keys: [A-Za-z0-9._-], never a path.
     if not isinstance(key, str) or not key or len(key) > 200 or key.startswith(".") or \
-            not all(c.isalnum() or c in "-_." for c in key):
-        raise ValueError(f"invalid storage key {key!r}: use page_hashes() keys")
+            not all((c.isascii() and c.isalnum()) or c in "-_." for c in key):
+        hint = "use page_hashes() keys" if what == "key" else "use storage_namespace()"
+        raise ValueError(f"invalid storage {what} {key!r}: {hint}")
+
+
+def storage_namespace(*parts: str | int) -> str:
+    """A namespace for servers sharing one store: readable parts (model name, rank) made safe, plus a
+    short hash of the exact parts, so 'org/model' and 'org_model' never share pages."""
+    raw = "\x00".join(str(p) for p in parts)
+    safe = "-".join("".join(c if (c.isascii() and c.isalnum()) or c in "-_." else "_" for c in str(p)) for p in parts)
+    return f"{safe.lstrip('.')[:120]}-{hashlib.sha256(raw.encode()).hexdigest()[:8]}"
 
 
 __all__ = ["FORMAT_VERSION", "HiCacheStorage", "PageCodec", "PageData", "PagedKV", "StorageLayoutError",
            "check_same_layout", "get_hash_str", "layout_meta", "load_pool_pages", "page_hashes",
-           "read_pool_pages", "store_pool_pages", "write_pool_pages"]
+           "read_pool_pages", "storage_namespace", "store_pool_pages", "write_pool_pages"]

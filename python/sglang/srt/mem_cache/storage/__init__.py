@@ -22,5 +22,6 @@ from sglang.srt.mem_cache.storage.registry import (
 )
 
 __all__ = ["HiCacheStorage", "PREFETCH_POLICIES", "PageCodec", "PageData", "STORAGE_BACKEND_NAMES",
-           "StorageConfigError", "StorageLayoutError", "create_storage_backend", "get_hash_str", "load_pool_pages",
-           "page_hashes", "read_pool_pages", "storage_namespace", "store_pool_pages", "validate_storage_args", "write_pool_pages"]
+           "StorageConfigError", "StorageLayoutError", "create_storage_backend", "get_hash_str",
+           "load_pool_pages", "page_hashes", "read_pool_pages", "storage_namespace", "store_pool_pages",
+           "validate_storage_args", "write_pool_pages"]

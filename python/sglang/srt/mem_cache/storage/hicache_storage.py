@@ -206,7 +206,9 @@ def check_same_layout(a: KVPoolLayout, b: KVPoolLayout, what: str = "pool") -> N
 
 
 def _as_index(pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    return pages.to(torch.int64).cpu() if isinstance(pages, torch.Tensor) else torch.tensor(list(pages), dtype=torch.int64)
+    if isinstance(pages, torch.Tensor):
+        return pages.to(torch.int64).cpu()
+    return torch.tensor(list(pages), dtype=torch.int64)
 
 
 def read_pool_pages(pool: PagedKV, pages: Sequence[int] | torch.Tensor) -> list[PageData]:

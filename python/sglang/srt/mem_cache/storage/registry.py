@@ -10,7 +10,12 @@ import importlib
 import importlib.util
 import json
 
+from typing import TYPE_CHECKING
+
 from sglang.srt.mem_cache.memory_pool import KVPoolLayout
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.storage.hicache_storage import HiCacheStorage
 
 # name -> (module, class, extra-config keys it reads)
 STORAGE_BACKENDS: dict[str, tuple[str, str, frozenset[str]]] = {
@@ -33,7 +38,7 @@ class StorageConfigError(ValueError):
 
 
 def create_storage_backend(name: str, layout: KVPoolLayout, extra_config: dict | None = None,
-                           namespace: str = ""):
+                           namespace: str = "") -> "HiCacheStorage":
     """A HiCacheStorage for `--hicache-storage-backend name`. `namespace` separates servers that
     share a store (model name, and the rank where ranks hold different pages)."""
     if name not in STORAGE_BACKENDS:

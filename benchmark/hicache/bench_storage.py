@@ -2,10 +2,13 @@
 
 Pages of a real NSATokenToKVPool (V3.2 MLA row 576 bf16, FP8 index K 132 B/token, page 64, every
 layer an index layer unless --index-freq) are read out once (read_pool_pages), then per repeat:
-- memcpy: one contiguous copy of the same payload bytes (the baseline: what any tier must move);
+- memcpy: one single-threaded contiguous copy of the same payload bytes (the baseline: what any
+  tier must move at least once; the storage paths are single-threaded too);
 - codec: encode every page into a blob and decode it back (header + CRC-32, no I/O);
 - file set: HiCacheFile.batch_set + flush (encode, queue, write-behind thread, tmp + rename);
   file get: batch_get (read, checks, CRC) -- files are in the OS page cache (not dropped);
+- file store / load: the controller's calls around the same I/O: store_pool_pages (gather the pool's
+  pages + set + flush) and load_pool_pages (get + scatter into a second pool);
 - mooncake set / get: one client puts, a second client gets (TCP on localhost, a mooncake_master
   started here with its HTTP metadata server).
 Sides alternate within each repeat (fresh keys per repeat: pages are content-addressed); medians.
@@ -28,6 +31,7 @@ import sys
 import tempfile
 import time
 
+import numpy
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,20 +84,28 @@ def _start_master(workdir: str):
 def run(args) -> dict:
     from tqdm import tqdm
 
-    from sglang.srt.mem_cache.storage import create_storage_backend, page_hashes, read_pool_pages
+    from sglang.srt.mem_cache.storage import (
+        create_storage_backend,
+        load_pool_pages,
+        page_hashes,
+        read_pool_pages,
+        store_pool_pages,
+    )
 
     pool = _pool(args)
+    target = _pool(args)  # load_pool_pages writes here
     layout = pool.layout()
     pages = read_pool_pages(pool, list(range(1, args.pages + 1)))
     codec_store = None
     payload = sum(t.numel() for p in pages for t in (*p.kv, *p.index_k))
     flat = torch.cat([t for p in pages for t in (*p.kv, *p.index_k)])
-    dst = torch.empty_like(flat)
+    flat_np, dst_np = flat.numpy(), numpy.empty(flat.numel(), dtype=numpy.uint8)
+    dst_np.fill(0)  # fault the destination in before timing
     workdir = tempfile.mkdtemp(prefix="bench_storage_")
     stores = {"file": create_storage_backend("file", layout, {"file_path": os.path.join(workdir, "files")})}
     codec_store = stores["file"]
     master = None
-    sides = ["memcpy", "codec", "file_set", "file_get"]
+    sides = ["memcpy", "codec", "file_set", "file_get", "file_store_pool", "file_load_pool"]
     if not args.no_mooncake:
         master, rpc, http = _start_master(workdir)
         cfg = {"master_server_address": f"127.0.0.1:{rpc}", "metadata_server": f"http://127.0.0.1:{http}/metadata",
@@ -107,7 +119,7 @@ def run(args) -> dict:
             keys = page_hashes(list(range(rep * 10**6, rep * 10**6 + args.pages * args.page_size)), args.page_size)
             t: dict[str, float] = {}
             t0 = time.perf_counter()
-            dst.copy_(flat)
+            numpy.copyto(dst_np, flat_np)  # one thread, like every storage path measured here
             t["memcpy"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             for k, p in zip(keys, pages):
@@ -122,6 +134,16 @@ def run(args) -> dict:
             got = f.batch_get(keys)
             t["file_get"] = time.perf_counter() - t0
             assert all(g is not None for g in got)
+            f.clear()
+            page_ids = list(range(1, args.pages + 1))
+            t0 = time.perf_counter()
+            store_pool_pages(f, pool, page_ids, keys)
+            f.flush()
+            t["file_store_pool"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            loaded = load_pool_pages(f, target, page_ids, keys)
+            t["file_load_pool"] = time.perf_counter() - t0
+            assert loaded == args.pages
             if master is not None:
                 w, r = stores["mooncake_writer"], stores["mooncake_reader"]
                 t0 = time.perf_counter()

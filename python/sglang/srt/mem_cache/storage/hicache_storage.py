@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import numpy
 import torch
 
 from sglang.srt.mem_cache.memory_pool import KVPoolLayout, PagePayload
@@ -212,20 +213,36 @@ def _as_index(pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 
 def read_pool_pages(pool: PagedKV, pages: Sequence[int] | torch.Tensor) -> list[PageData]:
-    """Copy pages (pool page ids) of every layer out of `pool` (device or host) into PageData."""
+    """Copy pages (pool page ids) of every layer out of `pool` (device or host) into PageData.
+    The copies are page-major in one host array (a page's payloads adjacent, in blob order)."""
     layout = pool.layout()
     idx = _as_index(pages)
-    out = [PageData(kv=[], index_k=[]) for _ in range(len(idx))]
+    n = len(idx)
+    codec_lengths = [layout.kv_bytes_per_page] * layout.layer_num + \
+        [layout.index_k_bytes_per_page] * len(layout.index_layer_ids)
+    out = numpy.empty((n, sum(codec_lengths)), dtype=numpy.uint8)
     index_layers = set(layout.index_layer_ids)
+    kv_offs, ik_offs, off = [], [], 0
+    for layer in range(layout.layer_num):  # KV of every layer, then index K: the blob's order
+        kv_offs.append(off)
+        off += layout.kv_bytes_per_page
+    for _ in layout.index_layer_ids:
+        ik_offs.append(off)
+        off += layout.index_k_bytes_per_page
+    j = 0
     for layer in range(layout.layer_num):
         payloads = {p.name: p.buffer for p in pool.page_payloads(layer)}
-        kinds = [("kv", "kv")] + ([("index_k", "index_k")] if layer in index_layers else [])
-        for name, attr in kinds:
-            buf = payloads[name]
-            rows = buf[idx.to(buf.device)].cpu().contiguous().view(torch.uint8).reshape(len(idx), -1)
-            for i, d in enumerate(out):
-                getattr(d, attr).append(rows[i])
-    return out
+        kinds = [("kv", kv_offs[layer])] + ([("index_k", ik_offs[j])] if layer in index_layers else [])
+        j += layer in index_layers
+        for name, start in kinds:
+            src = payloads[name].view(torch.uint8)  # [num_pages + 1, page bytes]
+            if src.shape[1] != (layout.kv_bytes_per_page if name == "kv" else layout.index_k_bytes_per_page):
+                raise ValueError(f"layer {layer} {name}: pool pages of {src.shape[1]} bytes disagree with its layout")
+            rows = src.numpy()[idx.numpy()] if src.device.type == "cpu" else src[idx.to(src.device)].cpu().numpy()
+            out[:, start : start + src.shape[1]] = rows
+    data = torch.from_numpy(out)
+    return [PageData(kv=[data[i, o : o + layout.kv_bytes_per_page] for o in kv_offs],
+                     index_k=[data[i, o : o + layout.index_k_bytes_per_page] for o in ik_offs]) for i in range(n)]
 
 
 def write_pool_pages(pool: PagedKV, pages: Sequence[int] | torch.Tensor, data: Sequence[PageData]) -> None:
@@ -237,6 +254,7 @@ def write_pool_pages(pool: PagedKV, pages: Sequence[int] | torch.Tensor, data: S
     if not len(idx):
         return
     index_slot = {lid: j for j, lid in enumerate(layout.index_layer_ids)}
+    page_ids = idx.tolist()
     for layer in range(layout.layer_num):
         for p in pool.page_payloads(layer):
             if p.name == "kv":
@@ -245,12 +263,18 @@ def write_pool_pages(pool: PagedKV, pages: Sequence[int] | torch.Tensor, data: S
                 rows = [d.index_k[index_slot[layer]] for d in data]
             else:
                 raise ValueError(f"unknown page payload {p.name!r} of layer {layer}")
-            width = p.buffer.shape[1] * p.buffer.element_size()
-            stacked = torch.stack(rows).view(p.buffer.dtype)
-            if tuple(stacked.shape) != (len(idx), p.buffer.shape[1]):
-                raise ValueError(f"layer {layer} {p.name}: page values of {rows[0].numel()} bytes, pool pages have "
-                                 f"{width}")
-            p.buffer[idx.to(p.buffer.device)] = stacked.to(p.buffer.device)
+            dst = p.buffer.view(torch.uint8)  # [num_pages + 1, page bytes]
+            bad = next((r.numel() for r in rows if r.numel() != dst.shape[1]), None)
+            if bad is not None:
+                raise ValueError(f"layer {layer} {p.name}: a page value has {bad} bytes, pool pages have "
+                                 f"{dst.shape[1]}")
+            if dst.device.type == "cpu":
+                # row by row into the pool (numpy memcpy): no staging tensor to allocate and fault in
+                dst_np = dst.numpy()
+                for pid, r in zip(page_ids, rows):
+                    dst_np[pid] = r.numpy()
+            else:  # one host->device copy per payload
+                dst[idx.to(dst.device)] = torch.stack(rows).to(dst.device)
 
 
 def store_pool_pages(storage: "HiCacheStorage", pool: PagedKV, pages: Sequence[int] | torch.Tensor,

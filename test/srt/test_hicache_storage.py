@@ -501,3 +501,34 @@ def test_namespaces_separate_servers_and_are_never_paths(tmp_path):
             s.batch_exists(["../etc"])
     finally:
         s.close()
+
+
+DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
+
+
+def test_device_pool_pages_through_the_file_tier(file_store):
+    """Pool on the test device (SGLANG_TEST_DEVICE=cuda on a GPU): gather, store, load back into another
+    device pool; bytes equal, other pages untouched."""
+    def pool(seed):
+        p = NSATokenToKVPool(16 * PAGE, PAGE, torch.bfloat16, 32, 8, LAYERS, 64, "fp8_e4m3", [0, 3], device=DEVICE)
+        g = torch.Generator().manual_seed(seed)
+        for buf in p.kv_buffer:
+            buf.copy_(torch.randn(buf.shape, generator=g).to(torch.bfloat16))
+        for buf in p.index_k_with_scale_buffer:
+            buf.copy_(torch.randint(0, 256, buf.shape, generator=g, dtype=torch.uint8))
+        return p
+
+    from sglang.srt.mem_cache.storage import load_pool_pages, store_pool_pages
+
+    src, dst = pool(0), pool(1)
+    untouched = [b.clone() for b in dst.kv_buffer]
+    s = file_store(src.layout())
+    keys = _keys(3)
+    store_pool_pages(s, src, torch.tensor([2, 9, 4], device=DEVICE), keys)
+    assert load_pool_pages(s, dst, torch.tensor([7, 1, 3], device=DEVICE), keys) == 3
+    for a, b, u in zip(src.kv_buffer, dst.kv_buffer, untouched):
+        pa, pb, pu = (x.view(-1, PAGE, x.shape[-1]) for x in (a, b, u))
+        assert torch.equal(pa[[2, 9, 4]], pb[[7, 1, 3]])
+        assert torch.equal(pb[[0, 2, 4, 5, 6, 8]], pu[[0, 2, 4, 5, 6, 8]])
+    for a, b in zip(src.index_k_with_scale_buffer, dst.index_k_with_scale_buffer):
+        assert torch.equal(a[[2, 9, 4]], b[[7, 1, 3]])

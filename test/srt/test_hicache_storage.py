@@ -532,3 +532,28 @@ def test_device_pool_pages_through_the_file_tier(file_store):
         assert torch.equal(pb[[0, 2, 4, 5, 6, 8]], pu[[0, 2, 4, 5, 6, 8]])
     for a, b in zip(src.index_k_with_scale_buffer, dst.index_k_with_scale_buffer):
         assert torch.equal(a[[2, 9, 4]], b[[7, 1, 3]])
+
+
+def test_controller_flow_as_documented_survives_a_restart(tmp_path):
+    """The package docstring's sequence, with a restart between backup and reload."""
+    from sglang.srt.mem_cache.storage import load_pool_pages, storage_namespace, store_pool_pages
+
+    extra = validate_storage_args("file", json.dumps({"file_path": str(tmp_path)}), "best_effort", None)
+    host = _pool([0, 3])
+    tokens = list(range(1000, 1000 + 5 * PAGE + 1))
+    keys = page_hashes(tokens, PAGE)
+    ns = storage_namespace("org/model")
+    storage = create_storage_backend("file", host.layout(), extra, namespace=ns)
+    store_pool_pages(storage, host, [3, 4, 5, 6, 7], keys)
+    storage.close()
+
+    host2 = _pool([0, 3], fill=False)  # a new server process: empty host pool, same directory
+    storage = create_storage_backend("file", host2.layout(), extra, namespace=ns)
+    try:
+        longer = page_hashes(tokens + list(range(3 * PAGE)), PAGE)  # the same prompt, grown by a turn
+        n = storage.batch_exists(longer)
+        assert n == 5
+        assert load_pool_pages(storage, host2, [10, 11, 12, 13, 14], longer[:n]) == 5
+        assert [_page_bytes(host2, p) for p in (10, 11, 12, 13, 14)] == [_page_bytes(host, p) for p in (3, 4, 5, 6, 7)]
+    finally:
+        storage.close()

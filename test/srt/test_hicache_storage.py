@@ -557,3 +557,18 @@ def test_controller_flow_as_documented_survives_a_restart(tmp_path):
         assert [_page_bytes(host2, p) for p in (10, 11, 12, 13, 14)] == [_page_bytes(host, p) for p in (3, 4, 5, 6, 7)]
     finally:
         storage.close()
+
+
+def test_mooncake_flags_checked_at_start_up(monkeypatch):
+    monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
+    with pytest.raises(StorageConfigError, match="master_server_address"):
+        validate_storage_args("mooncake", "{}", "best_effort", True)
+    assert validate_storage_args("mooncake", '{"master_server_address": "h:1"}', "timeout", True)
+    import sglang.srt.mem_cache.storage.mooncake_store as mc
+
+    def missing():
+        raise ImportError("needs Mooncake Store: `pip install mooncake-transfer-engine-non-cuda`")
+
+    monkeypatch.setattr(mc, "import_mooncake_store", missing)
+    with pytest.raises(StorageConfigError, match="hicache-storage-backend: .*mooncake-transfer-engine-non-cuda"):
+        validate_storage_args("mooncake", '{"master_server_address": "h:1"}', "best_effort", True)

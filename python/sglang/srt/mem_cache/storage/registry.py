@@ -7,7 +7,6 @@ Import-light on purpose: server_args reads the choices from here without importi
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 
 from typing import TYPE_CHECKING
@@ -85,10 +84,12 @@ def validate_storage_args(backend: str | None, extra_config: str | dict | None, 
     if backend == "file" and "file_path" in extra and not isinstance(extra["file_path"], str):
         raise StorageConfigError("hicache_storage_backend_extra_config", "file_path must be a string")
     if backend == "mooncake":
-        if importlib.util.find_spec("mooncake") is None:
-            raise StorageConfigError("hicache_storage_backend", "mooncake needs the Mooncake Store package: `pip "
-                                     "install mooncake-transfer-engine-non-cuda` (plus Debian's libibverbs1 "
-                                     "librdmacm1 libnuma1)")
+        from sglang.srt.mem_cache.storage.mooncake_store import import_mooncake_store
+
+        try:  # the package and its native library (libibverbs & co.), at start-up rather than at first use
+            import_mooncake_store()
+        except ImportError as e:
+            raise StorageConfigError("hicache_storage_backend", str(e)) from None
         import os
 
         if not (extra.get("master_server_address") or os.environ.get("MOONCAKE_MASTER")):

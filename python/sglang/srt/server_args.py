@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.cp_page_map import CP_MODES  # noqa: E402
 from sglang.srt.mem_cache.index_k_format import INDEX_K_DTYPE_NAMES  # noqa: E402
 from sglang.srt.layers.moe.moe_registry import MOE_RUNNER_BACKENDS  # noqa: E402
 from sglang.srt.constrained import GRAMMAR_BACKENDS  # noqa: E402
+from sglang.srt.mem_cache.storage.registry import PREFETCH_POLICIES, STORAGE_BACKEND_NAMES  # noqa: E402
 
 
 class ServerArgsError(ValueError):
@@ -97,6 +98,18 @@ class ServerArgs:
                                       "memory")
     page_size: int | None = _f(None, "Tokens per KV page; default 64 for DSA on CUDA, else 1.", "memory")
     max_running_requests: int | None = _f(None, "Max requests decoding at once.", "memory")
+
+    # -- HiCache L3 storage (upstream's names) -------------------------------------------------
+    hicache_storage_backend: str | None = _f(None, "HiCache storage tier under host memory: file (pages as files in "
+                                             "a directory) or mooncake (Mooncake Store).", "hicache",
+                                             STORAGE_BACKEND_NAMES)
+    hicache_storage_backend_extra_config: str | None = _f(None, "JSON object of backend settings, e.g. "
+                                                          "'{\"file_path\": \"/data/hicache\"}' (file) or "
+                                                          "'{\"master_server_address\": \"host:50051\"}' (mooncake).",
+                                                          "hicache")
+    hicache_storage_prefetch_policy: str = _f("best_effort", "When a storage prefetch stops: best_effort (when the "
+                                              "request is scheduled), wait_complete, or timeout.", "hicache",
+                                              PREFETCH_POLICIES)
 
     # -- scheduling ---------------------------------------------------------------------------
     chunked_prefill_size: int = _f(8192, "Max prefill tokens per step; -1 disables chunking.", "scheduling")
@@ -448,6 +461,19 @@ def _check_speculative(args: ServerArgs) -> None:
 
 
 _VALIDATORS.append(_check_speculative)
+
+
+def _check_hicache_storage(args: ServerArgs) -> None:
+    from sglang.srt.mem_cache.storage.registry import StorageConfigError, validate_storage_args
+
+    try:  # None: --enable-hierarchical-cache is not in this build yet (the host tier lands with it)
+        validate_storage_args(args.hicache_storage_backend, args.hicache_storage_backend_extra_config,
+                              args.hicache_storage_prefetch_policy, getattr(args, "enable_hierarchical_cache", None))
+    except StorageConfigError as e:
+        raise ServerArgsError(e.flag, e.reason) from None
+
+
+_VALIDATORS.append(_check_hicache_storage)
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:

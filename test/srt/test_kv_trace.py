@@ -1,0 +1,219 @@
+"""KV trace (SGLANG_CP_HICACHE_KV_TRACE) and its analyzer: off costs nothing, each level records
+what it promises, identical runs hash identically, and corruption drills on a real NSA KV pool
+and a real model forward are named by the analyzer (indexer K vs main KV, and the layer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from sglang.srt.debug import kv_trace
+from sglang.srt.debug.kv_trace import KVTracer, get_kv_tracer
+from sglang.srt.debug.kv_trace_analyze import analyze, format_report, main as analyze_main
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PYTHONPATH = os.pathsep.join([os.path.join(REPO, "python"), os.path.join(REPO, "sgl-kernel")])
+
+
+def _records(path, ev=None):
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    return [r for r in recs if ev is None or r["ev"] == ev]
+
+
+def _env(monkeypatch, tmp_path, level, name="trace.jsonl"):
+    path = str(tmp_path / name)
+    monkeypatch.setenv(kv_trace.ENV_PATH, path)
+    if level is None:
+        monkeypatch.delenv(kv_trace.ENV_LEVEL, raising=False)
+    else:
+        monkeypatch.setenv(kv_trace.ENV_LEVEL, str(level))
+    return path
+
+
+# -- switch ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("level", [None, "0", ""])
+def test_off_gives_no_tracer_and_no_file(monkeypatch, tmp_path, level):
+    path = _env(monkeypatch, tmp_path, level)
+    assert get_kv_tracer() is None and get_kv_tracer(min_level=3) is None
+    assert not os.path.exists(path)
+
+
+def test_bad_level_is_a_clear_error(monkeypatch, tmp_path):
+    _env(monkeypatch, tmp_path, "7")
+    with pytest.raises(ValueError, match="SGLANG_CP_HICACHE_KV_TRACE"):
+        get_kv_tracer()
+    _env(monkeypatch, tmp_path, "yes")
+    with pytest.raises(ValueError, match="SGLANG_CP_HICACHE_KV_TRACE"):
+        get_kv_tracer()
+
+
+def test_min_level_and_one_tracer_per_config(monkeypatch, tmp_path):
+    _env(monkeypatch, tmp_path, 2)
+    t = get_kv_tracer()
+    assert t is not None and t.level == 2 and get_kv_tracer() is t
+    assert get_kv_tracer(min_level=3) is None  # the model asks for level 3: no forward hooks at 2
+
+
+# -- levels ------------------------------------------------------------------------------------------
+def _record_everything(tracer):
+    kv = torch.randn(3, 4, 8)
+    idx = torch.randint(0, 255, (3, 32), dtype=torch.uint8)
+    fps = ["a", "b", "c"]
+    tracer.record_pages("backup", fps, 0, "kv", kv)
+    tracer.record_pages("index_backup", fps, 0, "index_k", idx)
+    tracer.record_pages("reload", fps, 0, "kv", kv)
+    tracer.record_pages("index_load", fps, 0, "index_k", idx)
+    tracer.record_forward("attn_out", 0, "k0", torch.randn(2, 4))
+    tracer.flush()
+
+
+@pytest.mark.parametrize("level,events", [
+    (1, {"backup", "reload"}),
+    (2, {"backup", "reload", "index_backup", "index_load"}),
+    (3, {"backup", "reload", "index_backup", "index_load", "fwd"}),
+])
+def test_each_level_records_what_it_promises(monkeypatch, tmp_path, level, events):
+    path = _env(monkeypatch, tmp_path, level)
+    tracer = get_kv_tracer()
+    _record_everything(tracer)
+    recs = _records(path)
+    assert {r["ev"] for r in recs} - {"meta"} == events
+    pages = [r for r in recs if r["ev"] in ("backup", "reload")]
+    assert [r["fp"] for r in pages] == ["a", "b", "c"] * 2  # one record per page row
+    assert all(r["nz"] > 0 for r in pages)
+    assert analyze([path]).failed is False
+
+
+def test_fingerprint_forms_and_bad_arguments(tmp_path):
+    t = KVTracer(2, str(tmp_path / "t.jsonl"))
+    t.record_pages("backup", "slot7", 1, "kv", torch.ones(1, 4))
+    t.record_pages("backup", "run", 1, "kv", torch.ones(2, 4))
+    t.close()
+    assert [r["fp"] for r in _records(t.path, "backup")] == ["slot7", "run#0", "run#1"]
+    with pytest.raises(ValueError, match="fingerprints"):
+        KVTracer(2, str(tmp_path / "u.jsonl")).record_pages("backup", ["x"], 0, "kv", torch.ones(2, 4))
+    with pytest.raises(ValueError, match="event"):
+        KVTracer(2, str(tmp_path / "v.jsonl")).record_pages("save", ["x"], 0, "kv", torch.ones(1, 4))
+
+
+def test_concurrent_writers_give_whole_lines(tmp_path):
+    """The controller records from its own thread while the model records forwards."""
+    t = KVTracer(3, str(tmp_path / "t.jsonl"))
+
+    def work(i):
+        for j in range(50):
+            t.record_pages("backup", [f"{i}-{j}-{k}" for k in range(4)], j % 3, "kv", torch.randn(4, 16))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    t.close()
+    recs = _records(t.path, "backup")
+    assert len(recs) == 4 * 50 * 4 and len({r["seq"] for r in recs}) == len(recs)
+
+
+# -- page corruption drills on a real NSA pool --------------------------------------------------------
+LAYERS, PAGE = 4, 4
+
+
+def _pool():
+    pool = NSATokenToKVPool(64, PAGE, torch.float32, kv_lora_rank=16, qk_rope_head_dim=8, layer_num=LAYERS,
+                            index_head_dim=128, index_k_dtype="fp8_e4m3")
+    g = torch.Generator().manual_seed(0)
+    for lid in range(LAYERS):
+        pool.kv_buffer[lid].copy_(torch.randn(pool.kv_buffer[lid].shape, generator=g))
+        pool.set_index_k(lid, torch.arange(PAGE, 64 + PAGE), torch.randn(64, 128, generator=g))
+    return pool
+
+
+def _round_trip(tracer, pool, corrupt=None, skip_index_load=False):
+    """Back up pages 1..3 to a "host" copy, optionally corrupt it, load it into pages 5..7."""
+    src, dst = torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7])
+    fps = [f"host{p}" for p in range(3)]
+    host = {}
+    for lid in range(LAYERS):
+        kv, idx = pool.get_kv_pages(lid, src), pool.get_index_k_pages(lid, src)
+        tracer.record_pages("backup", fps, lid, "kv", kv)
+        tracer.record_pages("index_backup", fps, lid, "index_k", idx)
+        host[lid] = {"kv": kv.clone(), "index_k": idx.clone()}
+    if corrupt is not None:
+        payload, lid = corrupt
+        flat = host[lid][payload].view(-1).view(torch.uint8) if payload == "kv" else host[lid][payload].view(-1)
+        flat[7] ^= 0x5A  # flip bits of one byte of page 0
+    for lid in range(LAYERS):
+        pool.set_kv_pages(lid, dst, host[lid]["kv"])
+        tracer.record_pages("reload", fps, lid, "kv", pool.get_kv_pages(lid, dst))
+        if skip_index_load and lid == 2:
+            continue
+        pool.set_index_k_pages(lid, dst, host[lid]["index_k"])
+        tracer.record_pages("index_load", fps, lid, "index_k", pool.get_index_k_pages(lid, dst))
+    tracer.flush()
+
+
+@pytest.mark.parametrize("corrupt,component", [(None, None), (("index_k", 2), "indexer K"), (("kv", 1), "main KV")])
+def test_page_drill_names_the_payload_and_layer(tmp_path, corrupt, component):
+    tracer = KVTracer(2, str(tmp_path / "pages.jsonl"))
+    _round_trip(tracer, _pool(), corrupt)
+    report = analyze([tracer.path])
+    assert report.page_compared == 2 * LAYERS * 3
+    if corrupt is None:
+        assert not report.failed and "no divergence" in format_report(report)
+        return
+    bad = [f for f in report.findings if f.kind == "page_mismatch"]
+    assert [(f.component, f.layer, f.detail["fp"]) for f in bad] == [(component, corrupt[1], "host0")]
+    assert f"FIRST PAGE MISMATCH: {component} of layer {corrupt[1]}" in format_report(report)
+
+
+def test_index_k_never_loaded_is_reported(tmp_path):
+    tracer = KVTracer(2, str(tmp_path / "pages.jsonl"))
+    _round_trip(tracer, _pool(), skip_index_load=True)
+    report = analyze([tracer.path])
+    missing = [f for f in report.findings if f.kind == "index_not_reloaded"]
+    assert report.failed and {f.layer for f in missing} == {2} and len(missing) == 3
+
+
+# -- degenerate tensors and the CLI ------------------------------------------------------------------
+@pytest.mark.parametrize("tensor,flag", [
+    (torch.zeros(4, 8), "all_zero"),
+    (torch.cat([torch.randn(3, 8), torch.zeros(1, 8)]), "zero_rows"),
+    (torch.full((4, 8), float("nan")), "nonfinite"),
+    (torch.full((4, 8), 0.5), "constant"),
+    (torch.tensor([[0, 1], [-1, -1]], dtype=torch.int32), "empty_selection"),
+])
+def test_degenerate_hidden_state_is_flagged(tmp_path, tensor, flag):
+    t = KVTracer(3, str(tmp_path / "t.jsonl"))
+    t.record_forward("topk" if flag == "empty_selection" else "moe_in", 1, "k", tensor)
+    t.record_forward("attn_in", 1, "k", torch.randn(4, 8))  # a healthy one is not flagged
+    t.close()
+    report = analyze([t.path])
+    bad = [f for f in report.findings if f.kind == "degenerate"]
+    assert report.failed and len(bad) == 1 and bad[0].detail["flags"] == [flag] and bad[0].layer == 1
+    assert "DEGENERATE" in format_report(report)
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    clean = KVTracer(2, str(tmp_path / "clean.jsonl"))
+    _round_trip(clean, _pool())
+    clean.close()
+    bad = KVTracer(2, str(tmp_path / "bad.jsonl"))
+    _round_trip(bad, _pool(), corrupt=("index_k", 3))
+    bad.close()
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "sglang.srt.debug.kv_trace_analyze", *a],  # noqa: E731
+                                    capture_output=True, text=True, env=env, timeout=120)
+    ok, fail = run(clean.path), run(bad.path)
+    assert ok.returncode == 0 and "no divergence" in ok.stdout, ok.stderr
+    assert fail.returncode == 1 and "indexer K of layer 3" in fail.stdout, fail.stderr
+    assert run(str(tmp_path / "missing.jsonl")).returncode == 2
+    (tmp_path / "junk.jsonl").write_text("not json\n")
+    assert analyze_main([str(tmp_path / "junk.jsonl")]) == 2

@@ -17,6 +17,7 @@ from sglang.srt.debug import kv_trace
 from sglang.srt.debug.kv_trace import KVTracer, get_kv_tracer
 from sglang.srt.debug.kv_trace_analyze import analyze, format_report, main as analyze_main
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHONPATH = os.pathsep.join([os.path.join(REPO, "python"), os.path.join(REPO, "sgl-kernel")])
@@ -180,6 +181,143 @@ def test_index_k_never_loaded_is_reported(tmp_path):
     report = analyze([tracer.path])
     missing = [f for f in report.findings if f.kind == "index_not_reloaded"]
     assert report.failed and {f.layer for f in missing} == {2} and len(missing) == 3
+
+
+# -- forward hashes through the real model ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def traced_engine(tmp_path_factory):
+    """The builtin tiny DeepSeek-V3.2 (4 layers, index_topk 32) built with level 3 on."""
+    from sglang.srt.entrypoints.engine import Engine
+
+    path = str(tmp_path_factory.mktemp("kvtrace") / "fwd.jsonl")
+    saved = {k: os.environ.get(k) for k in (kv_trace.ENV_LEVEL, kv_trace.ENV_PATH)}
+    os.environ[kv_trace.ENV_LEVEL], os.environ[kv_trace.ENV_PATH] = "3", path
+    try:
+        engine = Engine(model_path="builtin:tiny-deepseek-v32", dtype="float32", device="cpu",
+                        max_total_tokens=4096, random_seed=0)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    tracer = engine.scheduler.tp_worker.model_runner.model.model.kv_tracer
+    assert tracer is not None and tracer.path == path
+    return engine, tracer
+
+
+def _only_runs(tracer, tmp_path, *runs):
+    """The tracer's records of the given runs, as a trace file of their own."""
+    tracer.flush()
+    out = tmp_path / "runs.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in _records(tracer.path) if r["run"] in runs))
+    return str(out)
+
+
+def _prompt(n, seed=5):
+    return torch.randint(5, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_model_hooks_absent_when_off(builtin_path, monkeypatch, tmp_path):
+    from sglang.srt.entrypoints.engine import Engine
+
+    for level in (None, 2):  # level 2 traces pages only: the model holds no tracer either
+        _env(monkeypatch, tmp_path, level, name=f"off{level}.jsonl")
+        model = Engine(model_path="builtin:tiny-deepseek-v32", dtype="float32", device="cpu",
+                       max_total_tokens=1024, random_seed=0).scheduler.tp_worker.model_runner.model.model
+        assert model.kv_tracer is None
+        assert all(l.kv_tracer is None and l.self_attn.kv_tracer is None for l in model.layers)
+        if level is None:
+            assert not os.path.exists(tmp_path / f"off{level}.jsonl")
+
+
+def test_two_runs_hash_identically_and_decode_is_not_traced(traced_engine, tmp_path):
+    engine, tracer = traced_engine
+    prompt = _prompt(100)
+    sp = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    outs = []
+    for run in ("same-a", "same-b"):
+        tracer.set_run(run)
+        engine.flush_cache()
+        outs.append(engine.generate(input_ids=prompt, sampling_params=sp)["output_ids"])
+    assert outs[0] == outs[1]
+    path = _only_runs(tracer, tmp_path, "same-a", "same-b")
+    fwd = _records(path, "fwd")
+    for run in ("same-a", "same-b"):
+        mine = [r for r in fwd if r["run"] == run]
+        assert {(r["layer"], r["stage"]) for r in mine} == {(l, s) for l in range(4) for s in kv_trace.FORWARD_STAGES}
+        for layer in range(4):  # only the prompt's extend rows: decode steps record nothing
+            assert sum(r["rows"] for r in mine if r["layer"] == layer and r["stage"] == "moe_in") == len(prompt)
+    report = analyze([path])
+    assert report.forward_compared == len(fwd) // 2 and not report.failed, format_report(report)
+
+
+def _forward_extend(mr, slot, ids, prefix_len, locs):
+    fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [slot], [prefix_len], [len(ids)], locs, device=mr.device)
+    mr.forward(fb)
+
+
+@pytest.fixture
+def cached_prefix(traced_engine):
+    """A request slot whose first P tokens' KV sit in the pool (as after a HiCache reload), plus
+    slots for the S suffix tokens; freed afterwards."""
+    engine, tracer = traced_engine
+    mr = engine.scheduler.tp_worker.model_runner
+    P, S = 64, 36
+    ids = _prompt(P + S, seed=11)
+    slot = mr.req_to_token_pool.alloc(1)[0]
+    locs = mr.token_to_kv_pool_allocator.alloc_extend([0], [P + S], [-1])
+    mr.req_to_token_pool.write(slot, 0, locs)
+    tracer.set_run("prefix-setup")
+    _forward_extend(mr, slot, ids[:P], 0, locs[:P])
+    yield mr, tracer, slot, ids, P, locs
+    mr.token_to_kv_pool_allocator.free(locs)
+    mr.req_to_token_pool.free([slot])
+
+
+def test_cached_prefix_extend_matches_fresh_prefill(cached_prefix, tmp_path):
+    """The reload-vs-fresh comparison the trace is for: a suffix extend over a cached prefix hashes
+    like the same rows of a fresh full prefill (block keys align on absolute positions)."""
+    mr, tracer, slot, ids, P, locs = cached_prefix
+    tracer.set_run("fresh-full")
+    _forward_extend(mr, slot, ids, 0, locs)
+    tracer.set_run("suffix-extend")
+    _forward_extend(mr, slot, ids[P:], P, locs[P:])
+    report = analyze([_only_runs(tracer, tmp_path, "fresh-full", "suffix-extend")])
+    # blocks [64, 80), [80, 96), [96, 100) x 4 layers x 4 stages
+    assert report.forward_compared == 3 * 4 * 4 and not report.failed, format_report(report)
+
+
+@pytest.mark.parametrize("what,layer,stage,diagnosis", [
+    ("index_k", 2, "topk", "indexer K cache"),
+    ("kv", 1, "attn_out", "main KV / page map"),
+])
+def test_forward_drill_names_the_first_diverging_layer(cached_prefix, tmp_path, what, layer, stage, diagnosis):
+    mr, tracer, slot, ids, P, locs = cached_prefix
+    pool = mr.token_to_kv_pool
+    tracer.set_run(f"good-{what}")
+    _forward_extend(mr, slot, ids[P:], P, locs[P:])
+    g = torch.Generator().manual_seed(3)
+    if what == "index_k":  # the cached prefix's index K of one layer goes bad
+        pool.set_index_k(layer, locs[:P], 100 * torch.randn(P, pool.index_head_dim, generator=g))
+    else:
+        pool.kv_buffer[layer][locs[:P]] = torch.randn(pool.kv_buffer[layer][locs[:P]].shape, generator=g)
+    tracer.set_run(f"bad-{what}")
+    _forward_extend(mr, slot, ids[P:], P, locs[P:])
+    path = _only_runs(tracer, tmp_path, f"good-{what}", f"bad-{what}")
+    report = analyze([path])
+    assert report.failed and report.first is not None
+    assert (report.first["layer"], report.first["stage"], report.first["diagnosis"]) == (layer, stage, diagnosis)
+    assert f"layer {layer} stage {stage}" in format_report(report) and diagnosis in format_report(report)
+
+    # the CLI says the same and fails; --json carries it for scripts
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    env.pop(kv_trace.ENV_LEVEL, None)
+    cli = [sys.executable, "-m", "sglang.srt.debug.kv_trace_analyze", path]
+    res = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 1 and diagnosis in res.stdout, res.stdout + res.stderr
+    res = subprocess.run(cli + ["--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 1 and json.loads(res.stdout)["first"]["diagnosis"] == diagnosis
 
 
 # -- degenerate tensors and the CLI ------------------------------------------------------------------

@@ -320,6 +320,48 @@ def test_forward_drill_names_the_first_diverging_layer(cached_prefix, tmp_path, 
     assert res.returncode == 1 and json.loads(res.stdout)["first"]["diagnosis"] == diagnosis
 
 
+def _cp_trace(tmp_path, mode, page_size, block):
+    """The same batch at cp = 2 (two gloo ranks, one trace file each) and at cp = 1 (here)."""
+    from sglang.srt.model_loader.builtin import resolve_model_path
+    from sglang.srt.testing.multi_rank import Case, run_case, run_multi_rank
+
+    prompts = [_prompt(n, seed=n) for n in (37, 70, 130)]
+    sa = dict(model_path=resolve_model_path("builtin:tiny-deepseek-v32"), page_size=page_size,
+              chunked_prefill_size=-1)
+    env = {kv_trace.ENV_LEVEL: "3", kv_trace.ENV_BLOCK: str(block), kv_trace.ENV_RUN: "cp2",
+           kv_trace.ENV_PATH: str(tmp_path / "cp2.{pid}.jsonl")}
+    cp2 = run_multi_rank([Case("cp2", {**sa, "enable_nsa_prefill_context_parallel": True,
+                                       "nsa_prefill_cp_mode": mode}, prompts, 2, env=env)], 2)[0]
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        cp1 = run_case(Case("cp1", sa, prompts, 2, env={**env, kv_trace.ENV_RUN: "cp1",
+                                                         kv_trace.ENV_PATH: str(tmp_path / "cp1.jsonl")}), 1)
+        get_kv_tracer().flush()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert {k: v["ids"] for k, v in cp1.items() if k != "_stats"} == \
+           {k: v["ids"] for k, v in cp2.items() if k != "_stats"}
+    ranks = sorted(str(p) for p in tmp_path.glob("cp2.*.jsonl"))
+    assert len(ranks) == 2 and all(_records(r, "fwd") for r in ranks)  # each rank traced its own rows
+    return [str(tmp_path / "cp1.jsonl"), *ranks]
+
+
+@pytest.mark.parametrize("mode,page_size,block", [("in-seq-split", 64, 16), ("round-robin-split", 1, 1)])
+def test_cp_ranks_trace_their_valid_rows_and_match_cp1(tmp_path, mode, page_size, block):
+    """On CPU a row rounds the same whichever rank computes it, so the ranks' records together
+    hash like the cp = 1 run on every key they share; dummy (padding) rows are not traced."""
+    paths = _cp_trace(tmp_path, mode, page_size, block)
+    report = analyze(paths)
+    assert report.forward_compared > 0 and not report.failed, format_report(report)
+    if block == 1:  # one key per token: every traced row of cp = 2 is compared
+        cp2_rows = sum(1 for p in paths[1:] for r in _records(p, "fwd"))
+        assert report.forward_compared == cp2_rows == len(_records(paths[0], "fwd"))
+
+
 # -- degenerate tensors and the CLI ------------------------------------------------------------------
 @pytest.mark.parametrize("tensor,flag", [
     (torch.zeros(4, 8), "all_zero"),
@@ -353,5 +395,10 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert ok.returncode == 0 and "no divergence" in ok.stdout, ok.stderr
     assert fail.returncode == 1 and "indexer K of layer 3" in fail.stdout, fail.stderr
     assert run(str(tmp_path / "missing.jsonl")).returncode == 2
+    lonely = KVTracer(3, str(tmp_path / "lonely.jsonl"))  # one run, no reloads: nothing to compare
+    lonely.record_forward("attn_in", 0, "k", torch.randn(2, 4))
+    lonely.close()
+    res = run(lonely.path)
+    assert res.returncode == 3 and "nothing compared" in res.stdout
     (tmp_path / "junk.jsonl").write_text("not json\n")
     assert analyze_main([str(tmp_path / "junk.jsonl")]) == 2

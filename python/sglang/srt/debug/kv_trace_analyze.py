@@ -17,7 +17,10 @@
 3. Degenerate tensors: any forward record flagged at record time (non-finite, all zero, zero
    rows, constant, a top-k row selecting nothing).
 
-Exit status: 0 when nothing diverges and nothing is degenerate, 1 otherwise, 2 on bad input.
+Exit status: 0 when nothing diverges and nothing is degenerate, 1 otherwise, 2 on bad input,
+3 when nothing could be compared (no reload with a backup, no forward key shared by two runs): a
+clean result must mean something was checked. Under CP round-robin a block's rows sit on several
+ranks; trace with SGLANG_KV_TRACE_BLOCK=1 (one key per token) to compare such runs.
 """
 
 from __future__ import annotations
@@ -57,9 +60,13 @@ class Report:
     def failed(self) -> bool:
         return any(f.kind != "reload_without_backup" for f in self.findings)
 
+    @property
+    def nothing_compared(self) -> bool:
+        return not self.page_compared and not self.forward_compared
+
     def to_json(self) -> dict:
         d = asdict(self)
-        d["failed"] = self.failed
+        d["failed"], d["nothing_compared"] = self.failed, self.nothing_compared
         return d
 
 
@@ -212,7 +219,12 @@ def format_report(report: Report) -> str:
         lines.append(f"note: {orphans} reload record(s) without a backup in the same file (not compared)")
     if report.ambiguous_keys:
         lines.append(f"note: {report.ambiguous_keys} forward key(s) ambiguous within a run (not compared)")
-    lines.append("RESULT: " + ("DIVERGENCE FOUND" if report.failed else "no divergence"))
+    if report.failed:
+        lines.append("RESULT: DIVERGENCE FOUND")
+    elif report.nothing_compared:
+        lines.append("RESULT: nothing compared (no reload with a backup, no forward key shared by two runs)")
+    else:
+        lines.append("RESULT: no divergence")
     return "\n".join(lines)
 
 
@@ -229,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kv_trace_analyze: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report))
-    return 1 if report.failed else 0
+    return 1 if report.failed else 3 if report.nothing_compared else 0
 
 
 if __name__ == "__main__":

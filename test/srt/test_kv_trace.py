@@ -175,6 +175,19 @@ def test_page_drill_names_the_payload_and_layer(tmp_path, corrupt, component):
     assert f"FIRST PAGE MISMATCH: {component} of layer {corrupt[1]}" in format_report(report)
 
 
+def test_payload_entry_point_hashes_like_the_page_getters(tmp_path):
+    """What the controller may call with `pool.page_payloads(layer)` matches get_*_pages hashes."""
+    pool, pages, fps = _pool(), torch.tensor([2, 5]), ["s2", "s5"]
+    tracer = KVTracer(2, str(tmp_path / "p.jsonl"))
+    for lid in range(LAYERS):
+        tracer.record_pages("backup", fps, lid, "kv", pool.get_kv_pages(lid, pages))
+        tracer.record_pages("index_backup", fps, lid, "index_k", pool.get_index_k_pages(lid, pages))
+        tracer.record_page_payloads("reload", fps, lid, pool.page_payloads(lid), pages)
+    tracer.close()
+    report = analyze([tracer.path])
+    assert report.page_compared == 2 * LAYERS * 2 and not report.failed, format_report(report)
+
+
 def test_index_k_never_loaded_is_reported(tmp_path):
     tracer = KVTracer(2, str(tmp_path / "pages.jsonl"))
     _round_trip(tracer, _pool(), skip_index_load=True)

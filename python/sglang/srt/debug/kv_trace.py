@@ -147,7 +147,8 @@ class KVTracer:
         `fingerprint` identifies the host slot of each page: a list (one per page), or one str
         (used as is for a single page, suffixed "#i" per row otherwise). Pass per-page lists so
         a backup and a reload chunked differently still match. Index-K events/payloads are
-        recorded from level 2 on; at level 1 the call returns at once, so callers need no check."""
+        recorded from level 2 on; at level 1 the call returns at once, so callers need no check.
+        Reads `data` with a blocking `.cpu()`: on a side stream, call it once the copy is done."""
         if event not in PAGE_EVENTS:
             raise ValueError(f"event {event!r} not in {PAGE_EVENTS}")
         if payload not in PAYLOADS:
@@ -168,6 +169,18 @@ class KVTracer:
                  "hash": hashlib.blake2b(raw[i].numpy().tobytes(), digest_size=8).hexdigest(), "nz": nz[i]}
                 for i in range(n)]
         self._write_many(recs)
+
+    def record_page_payloads(self, direction: str, fingerprint: str | Sequence[str], layer_id: int,
+                             payloads: Sequence, pages: torch.Tensor) -> None:
+        """Record rows `pages` of each of a layer's page payloads (`pool.page_payloads(layer_id)`):
+        direction "backup" or "reload"; payload "kv" is recorded as that event, "index_k" as
+        "index_backup" / "index_load". Hashes equal those of `record_pages` on get_kv_pages /
+        get_index_k_pages (same bytes)."""
+        if direction not in ("backup", "reload"):
+            raise ValueError(f"direction {direction!r} not in ('backup', 'reload')")
+        for p in payloads:
+            event = direction if p.name == "kv" else ("index_backup" if direction == "backup" else "index_load")
+            self.record_pages(event, fingerprint, layer_id, p.name, p.buffer[pages])
 
     # -- forward (model, level 3) -----------------------------------------------------------------
     def record_forward(self, stage: str, layer_id: int, key: str, tensor: torch.Tensor) -> None:

@@ -102,16 +102,12 @@ class KVTracer:
 
     # -- output -----------------------------------------------------------------------------------
     def _write(self, rec: dict) -> None:
-        with self._lock:
-            if self._f is None:
-                return
-            self._seq += 1
-            rec = {"run": self.run, "seq": self._seq, **rec}
-            self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        self._write_many([rec])
 
     def _write_many(self, recs: list[dict]) -> None:
+        """One write under the lock: records of concurrent callers never interleave mid-line."""
         with self._lock:
-            if self._f is None:
+            if self._f is None or not recs:
                 return
             lines = []
             for rec in recs:

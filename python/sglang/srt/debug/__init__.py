@@ -3,4 +3,7 @@
 - `checks`: SGLANG_DEBUG_CHECKS invariant checks (they sync or pass over data; never under
   CUDA-graph capture), and SGLANG_CP_POISON_PADDING (garbage in CP dummy rows, to prove no real
   row reads them).
+- `kv_trace`: SGLANG_CP_HICACHE_KV_TRACE=1..3 hashes of KV / indexer-K pages at HiCache backup and
+  reload, and per-layer forward hashes of eager extends; `kv_trace_analyze` (a CLI) names the
+  first diverging stage and layer.
 """

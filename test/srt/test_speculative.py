@@ -84,6 +84,45 @@ def test_greedy_equals_plain_with_random_right_and_wrong_drafts(engine_kw):
     _whole(spec)
 
 
+@pytest.mark.parametrize("engine_kw", [dict(), dict(chunked_prefill_size=8, page_size=4, max_total_tokens=256)],
+                         ids=["default", "chunked_page4_small_pool"])
+def test_overlap_launches_the_next_verify_before_the_previous_is_processed(engine_kw):
+    """Overlap with speculation: each verify after the first is launched while the previous one is
+    still unprocessed (its acceptance unknown to the host), from device-resident lengths and
+    tokens; outputs and logprobs equal plain decoding and speculation without overlap, forced
+    right / wrong / mixed drafts alike; a pool small enough to retract stays whole."""
+    prompts = _prompts(6)
+    params = [{"temperature": 0, "max_new_tokens": 8 + 3 * i, "ignore_eos": i % 2 == 0} for i in range(6)]
+    gen = dict(return_logprob=True, top_logprobs_num=2)
+    ref = _engine(False, **engine_kw).generate(input_ids=prompts, sampling_params=params, **gen)
+    targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
+    sync = _engine(True, disable_overlap_schedule=True, **engine_kw)
+    spec = _engine(True, **engine_kw)
+    sched = spec.scheduler
+    assert sched._overlap_active() and not sync.scheduler._overlap_active()
+    overlapped = []
+    launch = sched.tp_worker.forward_batch_generation
+
+    def spy(batch):
+        prev = sched.in_flight[0] if sched.in_flight is not None else None
+        if batch.forward_mode.is_decode():
+            overlapped.append(prev is not None and prev.forward_mode.is_decode())
+        return launch(batch)
+
+    sched.tp_worker.forward_batch_generation = spy
+    for mode in ("right", "wrong", "mixed"):
+        for e in (sync, spec):
+            e.scheduler.tp_worker.draft_override = forced_drafts(targets, mode)
+            assert e.flush_cache()
+        outs = spec.generate(input_ids=prompts, sampling_params=params, **gen)
+        assert [_key(o) for o in outs] == [_key(o) for o in ref], mode
+        assert [_key(o) for o in sync.generate(input_ids=prompts, sampling_params=params, **gen)] == [
+            _key(o) for o in ref], mode
+        _whole(spec)
+        _whole(sync)
+    assert sum(overlapped) > len(overlapped) // 2, overlapped
+
+
 def test_stop_strings_eos_seeds_grammar_and_indexcache():
     """GLM-5 tiny model with shared top-k layers: stop strings inside an accepted run, EOS, seeded
     sampling (exact), a regex grammar (verified one row at a time) in the same batch."""
@@ -140,7 +179,9 @@ def test_draft_extends_reuse_the_targets_topk_when_sharing(model, shares):
             rows = [last_target["rows"].index(k) for k in _row_keys(fb)]
             assert torch.equal(topk, last_target["topk"][rows])
             assert bool((topk.long() <= fb.positions[:, None]).all())
-        seen.append((fb.forward_mode.is_extend(), topk is not None))
+        # a draft extend (after a prefill: extend-shaped; after a verify: decode-shaped rows that
+        # pick the accepted row's logits) vs a chain step (one decode row per request)
+        seen.append((fb.forward_mode.is_extend() or fb.logits_row_indices is not None, topk is not None))
         return draft_forward(fb)
 
     worker.target.model_runner.forward, worker.draft_runner.forward = target_spy, draft_spy

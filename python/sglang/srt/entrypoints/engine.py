@@ -89,6 +89,7 @@ class Engine:
             mine = [(by_rid[o.rid], o) for o in outs if o.rid in by_rid]
             deltas = push_outputs([p for p, _ in mine], [o for _, o in mine]) if mine else []
             yield from ((p, d) for (p, _), d in zip(mine, deltas))
+        self.scheduler.finish_idle_step()  # results of finished requests only: nothing to yield
 
     def generate(
         self,

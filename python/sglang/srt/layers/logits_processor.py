@@ -33,6 +33,8 @@ class LogitsProcessor(nn.Module):
 
     @staticmethod
     def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
+        if forward_batch.logits_row_indices is not None:
+            return forward_batch.logits_row_indices
         return forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
 
     def forward(self, hidden_states: torch.Tensor, lm_head, forward_batch: ForwardBatch,

@@ -160,13 +160,15 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.free_uncommitted_kv(req)
         self.tree_cache.cache_finished_req(req)
 
-    def free_uncommitted_kv(self, req: Req) -> None:
-        """Free the pages wholly past kv_committed_len (rows of a step that were not accepted, or of
-        a step whose request finished); the committed tail page keeps its free slots."""
-        start = cdiv(req.kv_committed_len, self.page_size) * self.page_size
+    def free_uncommitted_kv(self, req: Req, keep: int | None = None) -> None:
+        """Free the pages wholly past `keep` (default kv_committed_len): rows of a step that were not
+        accepted, or of a step whose request finished; the tail page keeps its free slots. A
+        speculative step in flight under overlap keeps its window (`keep` past the committed KV)."""
+        keep = req.kv_committed_len if keep is None else min(keep, req.kv_allocated_len)
+        start = cdiv(keep, self.page_size) * self.page_size
         if req.kv_allocated_len > start:
             self.allocator.free(self.req_to_token_pool.read(req.req_pool_idx, req.kv_allocated_len)[start:])
-        req.kv_allocated_len = req.kv_committed_len
+        req.kv_allocated_len = keep
 
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.running or self.chunked_req or self.grammar_manager.grammar_queue
@@ -192,6 +194,15 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             self.grammar_manager.wait()
         return outputs
 
+    def finish_idle_step(self) -> list[ReqOutput]:
+        """Process the step in flight when no request waits or runs: under overlap a speculative
+        step may be launched for requests that the step before it then finished (its acceptance
+        was unknown at launch); the offline Engine calls this once its requests are done, so an
+        idle scheduler holds no uncommitted KV. (The server's loop steps while `has_work()`.)"""
+        if self.in_flight is not None and not (self.waiting_queue or self.running or self.chunked_req):
+            return self._process_in_flight()
+        return []
+
     def _overlap_active(self) -> bool:
         return self.enable_overlap and self.tp_worker.supports_overlap
 
@@ -201,7 +212,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         chunk is in flight (its request continues next, and only one request is chunked at a time)."""
         if not self._overlap_active() or any(r.is_chunked for r in self.in_flight[0].reqs):
             return False
-        return not any(r.needs_host_sampling_state() for r in self.running)
+        worker_needs = getattr(self.tp_worker, "needs_host_state", None)
+        return not any(r.needs_host_sampling_state() or (worker_needs is not None and worker_needs(r))
+                       for r in self.running)
 
     def _process_in_flight(self) -> list[ReqOutput]:
         batch, pending = self.in_flight

@@ -161,7 +161,9 @@ class SchedulerOutputProcessorMixin:
             accepted = rows if result.accept_lens is None else result.accept_lens[i]
             if not 0 <= accepted <= rows:
                 raise RuntimeError(f"worker accepted {accepted} of {rows} rows for request {req.rid}")
-            req.kv_committed_len = batch.prefix_lens[i] + accepted
+            # The step's rows start at the committed length (a speculative step launched under
+            # overlap learns its start on the device: the host's prefix_lens is its allocation).
+            req.kv_committed_len += accepted
             if result.hidden_rows is not None and result.hidden_rows[i] is not None:
                 _take_hidden_rows(req, *result.hidden_rows[i])
             if wants_input and req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids:
@@ -197,10 +199,8 @@ class SchedulerOutputProcessorMixin:
                     self.release_req(req)
             else:
                 if accepted < rows:
-                    if req.inflight:
-                        raise RuntimeError("a step rejected rows while a later step of the request was in "
-                                           "flight: such a worker must not overlap (supports_overlap)")
-                    self.free_uncommitted_kv(req)
+                    # A later step in flight uses the window [committed, committed + its rows): keep it.
+                    self.free_uncommitted_kv(req, req.kv_committed_len + req.inflight * self.tp_worker.num_tokens_per_req)
                 if is_prefill:
                     self.on_prefill_finished(req)
             outputs.append(self._make_output(req, new_ids))

@@ -83,6 +83,9 @@ class GraphSpec:
 
     def matches(self, fb: ForwardBatch) -> bool:
         n = self.tokens_per_req
+        if fb.logits_row_indices is not None or (fb.spec_topk_indices is not None and not any(
+                x.name == "spec_topk_indices" for x in self.extra_inputs)):
+            return False  # inputs the captured forward would not read
         return (fb.forward_mode == self.forward_mode and int(fb.capture_hidden_mode) == int(self.capture_hidden_mode)
                 and fb.num_tokens == fb.batch_size * n and all(e == n for e in fb.extend_seq_lens_cpu))
 

@@ -85,6 +85,9 @@ class ForwardBatch:
     # the draft layer reuses it instead of scoring. Under CP both are in this rank's layout.
     spec_topk_indices: torch.Tensor | None = None
     spec_rows_local: bool = False  # the two above are already in this rank's CP layout
+    # Rows whose logits (and LAST hidden state) the logits processor returns, one per request,
+    # instead of each request's last row (a static-shaped draft extend picks its accepted row).
+    logits_row_indices: torch.Tensor | None = None
 
     # Host copies of the per-token / per-request rows (CPU tensors), for host-side re-layouts (CP).
     host_rows: dict[str, torch.Tensor] | None = None
@@ -108,6 +111,21 @@ class ForwardBatch:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
+
+    @classmethod
+    def build_decode_rows(cls, input_ids: torch.Tensor, req_pool_indices: torch.Tensor, positions: torch.Tensor,
+                          out_cache_loc: torch.Tensor, seq_len_bounds: list[int], **kwargs: Any) -> "ForwardBatch":
+        """A decode batch straight from device tensors (one row per token; rows may share a request
+        slot): positions are known only on the device, so the host lists hold upper bounds of each
+        row's KV length, which size the metadata (never index it). Nothing is uploaded."""
+        t = int(input_ids.shape[0])
+        ar = torch.arange(t, dtype=torch.int64, device=input_ids.device)
+        return cls(
+            forward_mode=ForwardMode.DECODE, batch_size=t, input_ids=input_ids, positions=positions,
+            req_pool_indices=req_pool_indices, seq_lens=positions + 1, out_cache_loc=out_cache_loc,
+            extend_seq_lens=torch.ones_like(ar), extend_prefix_lens=positions, extend_start_loc=ar, token_to_req=ar,
+            seq_lens_cpu=list(seq_len_bounds), extend_seq_lens_cpu=[1] * t,
+            extend_prefix_lens_cpu=[b - 1 for b in seq_len_bounds], **kwargs)
 
     @classmethod
     def build(

@@ -46,7 +46,7 @@ from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.managers.overlap_utils import FUTURE_TOKEN, Pending
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.scheduler_output_processor import BatchOutputCopy, GenerationBatchResult
+from sglang.srt.managers.scheduler_output_processor import BatchOutputCopy, GenerationBatchResult, _to_host_async
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.model_executor.cuda_graph_runner import GraphSpec, StaticInput
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
@@ -91,7 +91,6 @@ def draft_decode_spec(draft_config: ModelConfig) -> GraphSpec:
 
 
 class EAGLEWorker:
-    supports_overlap = False  # the next step's positions depend on this step's acceptance
 
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig,
                  tp_group: GroupCoordinator = SINGLE_GROUP) -> None:
@@ -113,13 +112,18 @@ class EAGLEWorker:
                                         graph_specs=(draft_decode_spec(self.draft_config),))
         self.device = sa.device
         self.cp = t.cp_group is not None
+        # Overlap: a step's positions come from the device (kv_len), except under CP, whose split
+        # and views are planned on the host from exact lengths.
+        self.supports_overlap = not self.cp
         slots = t.req_to_token_pool.size + 1
+        self.kv_len = torch.zeros(slots, dtype=torch.int64, device=self.device)  # committed KV per slot
         self.next_draft = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.draft_hidden = torch.zeros(slots, self.draft_config.hf_config.hidden_size, dtype=model_config.dtype,
                                         device=self.device)
         self.sampler = Sampler()
         self.vocab_size = model_config.vocab_size
-        # Test hook: fn(reqs, drafts [B, S]) -> drafts to verify instead (forcing right / wrong drafts).
+        # Test hook: fn(reqs, drafts [B, S], committed KV lengths) -> drafts to verify instead
+        # (forcing right / wrong drafts; testing/spec_drafts.py).
         self.draft_override = None
         self.num_verify_steps = 0
         self.num_accepted_drafts = 0
@@ -141,11 +145,17 @@ class EAGLEWorker:
     def shutdown(self) -> None:
         self.target.shutdown()
 
+    def needs_host_state(self, req: Req) -> bool:
+        """Besides what any request's sampling needs: a seeded draw's step counts the tokens the
+        step in flight accepts, known on the host only after it."""
+        sp = req.sampling_params
+        return sp.sampling_seed is not None and sp.temperature > 0
+
     def forward_batch_generation(self, batch: ScheduleBatch) -> Pending:
         if batch.forward_mode == ForwardMode.DECODE:
             if any(r.needs_host_sampling_state() for r in batch.reqs):
                 return Pending(value=self._decode_without_drafts(batch))
-            return Pending(value=self._decode(batch))
+            return Pending(value=self._decode_cp(batch) if self.cp else self._decode(batch))
         return Pending(value=self._extend(batch))
 
     # -- prefill --------------------------------------------------------------------------------------
@@ -157,6 +167,7 @@ class EAGLEWorker:
         lo = t.model_runner.forward(fb)
         sample = t.model_runner.sample(lo, fb)
         t.token_table.store(fb.req_pool_indices, sample.next_token_ids)
+        self.kv_len[fb.req_pool_indices] = fb.seq_lens
         # Draft row j pairs the target's hidden state at j with the token at j + 1: the next prompt
         # token, or for a request's last row the token just sampled (read from the token table).
         ids = []
@@ -191,82 +202,110 @@ class EAGLEWorker:
         self.draft_hidden[fb.req_pool_indices] = lo.hidden_states.to(self.draft_hidden.dtype)
 
     # -- decode ---------------------------------------------------------------------------------------
-    def _draft_chain(self, reqs: list[Req], prefix_lens: list[int], loc: torch.Tensor,
-                     slots: torch.Tensor) -> torch.Tensor:
-        drafts = [self.next_draft[slots]]
-        hidden = self.draft_hidden[slots]
+    def _row_sampling_info(self, reqs: list[Req], n: int) -> SamplingBatchInfo:
+        """One row per verified position: row j of a request draws with the seed step plain
+        decoding would use for that token (exact when the request's output is known on the host:
+        seeded requests keep the scheduler from overlapping, `needs_host_state`)."""
+        return SamplingBatchInfo.from_params(
+            [r.sampling_params for r in reqs for _ in range(n)], self.vocab_size, self.device,
+            output_ids=[r.output_ids for r in reqs for _ in range(n)],
+            seeds_step=[len(r.output_ids) + j for r in reqs for j in range(n)])
+
+    def _sample_verify(self, reqs: list[Req], logits: torch.Tensor, drafts: torch.Tensor, slots: torch.Tensor):
+        """Each verified row's pick (the request's own sampler), the accepted draft count per request
+        (leading drafts equal to the target's picks) and the last accepted token into the table."""
+        n = self.num_tokens_per_req
+        want_lp = any(r.return_logprob for r in reqs)
+        nums = [r.top_logprobs_num for r in reqs for _ in range(n)]
+        sample = self.sampler(logits, self._row_sampling_info(reqs, n), want_lp, nums if want_lp else None)
+        picks = sample.next_token_ids.view(len(reqs), n)
+        accepted = (drafts == picks[:, : self.num_steps]).int().cumprod(dim=1).sum(dim=1)
+        self.token_table.store(slots, picks.gather(1, accepted[:, None]).squeeze(1))
+        return sample, picks, accepted
+
+    @torch.inference_mode()
+    def _decode(self, batch: ScheduleBatch) -> "SpecDecodeOutput":
+        """One speculative step, static-shaped and device-resident: positions come from the
+        request's committed KV length on the device (`kv_len`), so the step can be launched before
+        the previous step's acceptance reaches the host (overlap). Every forward is decode-shaped
+        (one row per token over the request's slot); nothing is read back until `to_host`."""
+        reqs, n, s, b = batch.reqs, self.num_tokens_per_req, self.num_steps, len(batch.reqs)
+        dev = self.device
+        slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
+        r2t = self.req_to_token_pool
+        r2t.flush_writes()  # this step's rows, before the device gathers them
+        base = self.kv_len[slots]  # [b] committed KV length c: row j sits at position c + j
+        pos = base[:, None] + torch.arange(n, device=dev)[None, :]  # [b, n]
+        loc = r2t.req_to_token[slots[:, None], pos].long()  # [b, n] KV slots the scheduler allocated
+        bound = [p + n for p in batch.prefix_lens]  # host: allocation start >= c, so c + n <= bound
+        # 1. draft chain: d1 from the last draft extend, d2..dS from S - 1 one-row steps
+        drafts, hidden = [self.next_draft[slots]], self.draft_hidden[slots]
+        for k in range(1, s):
+            fb = ForwardBatch.build_decode_rows(drafts[-1], slots, pos[:, k - 1], loc[:, k - 1],
+                                                [x - n + k for x in bound],
+                                                capture_hidden_mode=CaptureHiddenMode.LAST, spec_hidden_states=hidden)
+            lo = self.draft_runner.forward(fb)
+            drafts.append(lo.next_token_logits.argmax(dim=-1))
+            hidden = lo.hidden_states
+        drafts = torch.stack(drafts, dim=1)
+        if self.draft_override is not None:  # test hook: it may read the device
+            drafts = self.draft_override(reqs, drafts, base.tolist()).to(drafts)
+        # 2. verify [x, d1..dS] (target_verify_spec: CUDA graphs)
+        ids = torch.cat([self.token_table.table[slots][:, None], drafts], dim=1).reshape(-1)
+        rows = slots.repeat_interleave(n)
+        row_bounds = [x - n + j + 1 for x in bound for j in range(n)]
+        fb = ForwardBatch.build_decode_rows(ids, rows, pos.reshape(-1), loc.reshape(-1), row_bounds,
+                                            capture_hidden_mode=CaptureHiddenMode.FULL)
+        lo = self.target.model_runner.forward(fb)
+        sample, picks, accepted = self._sample_verify(reqs, lo.next_token_logits, drafts, slots)
+        # 3. draft extend over all n rows (row j: the target's hidden at c + j with its pick, the
+        # token at c + j + 1); only rows <= accepted matter -- the rest are rewritten by the next
+        # step before anything reads them -- and the next d1 / hidden come from row `accepted`.
+        fb = ForwardBatch.build_decode_rows(picks.reshape(-1), rows, pos.reshape(-1), loc.reshape(-1), row_bounds,
+                                            capture_hidden_mode=CaptureHiddenMode.LAST,
+                                            spec_hidden_states=lo.hidden_states, spec_topk_indices=lo.topk_indices)
+        fb.logits_row_indices = torch.arange(b, device=dev) * n + accepted
+        dlo = self.draft_runner.forward(fb)
+        self.next_draft[slots] = dlo.next_token_logits.argmax(dim=-1)
+        self.draft_hidden[slots] = dlo.hidden_states.to(self.draft_hidden.dtype)
+        self.kv_len[slots] = base + accepted + 1
+        return SpecDecodeOutput(self, b, n, picks, accepted, sample)
+
+    @torch.inference_mode()
+    def _decode_cp(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        """The step under prefill CP (no overlap): the verify is one extend per request (a
+        decode-shaped verify would all-gather each request's context once per row) and the draft
+        extends the accepted rows only, so the host reads the acceptance mid-step."""
+        reqs, n, b = batch.reqs, self.num_tokens_per_req, len(batch.reqs)
+        slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self.device)
+        loc = batch.out_cache_loc.view(b, n)
         rows = [r.req_pool_idx for r in reqs]
+        drafts, hidden = [self.next_draft[slots]], self.draft_hidden[slots]
         for k in range(1, self.num_steps):
-            fb = ForwardBatch.build(ForwardMode.DECODE, drafts[-1], rows, [c + k - 1 for c in prefix_lens],
-                                    [1] * len(reqs), loc[:, k - 1], device=self.device,
+            fb = ForwardBatch.build(ForwardMode.DECODE, drafts[-1], rows, [c + k - 1 for c in batch.prefix_lens],
+                                    [1] * b, loc[:, k - 1], device=self.device,
                                     capture_hidden_mode=CaptureHiddenMode.LAST, spec_hidden_states=hidden,
                                     cp_split_by_slot_owner=True)
             self._set_host_ids(fb)
             lo = self.draft_runner.forward(fb)
             drafts.append(lo.next_token_logits.argmax(dim=-1))
             hidden = lo.hidden_states
-        return torch.stack(drafts, dim=1)
-
-    def _row_sampling_info(self, reqs: list[Req], n: int) -> SamplingBatchInfo:
-        """One row per verified position: row j of a request draws with the seed step plain
-        decoding would use for that token."""
-        return SamplingBatchInfo.from_params(
-            [r.sampling_params for r in reqs for _ in range(n)], self.vocab_size, self.device,
-            output_ids=[r.output_ids for r in reqs for _ in range(n)],
-            seeds_step=[len(r.output_ids) + j for r in reqs for j in range(n)])
-
-    @torch.inference_mode()
-    def _decode(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        reqs, n, s = batch.reqs, self.num_tokens_per_req, self.num_steps
-        b, t = len(reqs), self.target
-        slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self.device)
-        loc = batch.out_cache_loc.view(b, n)
-        drafts = self._draft_chain(reqs, batch.prefix_lens, loc, slots)
+        drafts = torch.stack(drafts, dim=1)
         if self.draft_override is not None:
-            drafts = self.draft_override(reqs, drafts).to(drafts)
+            drafts = self.draft_override(reqs, drafts, list(batch.prefix_lens)).to(drafts)
         ids = torch.cat([self.token_table.table[slots][:, None], drafts], dim=1).reshape(-1)
-        want_lp = any(r.return_logprob for r in reqs)
-        fb = self._verify_batch(reqs, batch.prefix_lens, ids, batch.out_cache_loc)
-        lo = t.model_runner.forward(fb)
-        logits = lo.full_logits if lo.full_logits is not None else lo.next_token_logits  # [b * n, V]
-        nums = [r.top_logprobs_num for r in reqs for _ in range(n)]
-        sample = self.sampler(logits, self._row_sampling_info(reqs, n), want_lp, nums if want_lp else None)
-        picks = sample.next_token_ids.view(b, n)
-        accepted = (drafts == picks[:, :s]).int().cumprod(dim=1).sum(dim=1)  # leading matches
-        t.token_table.store(slots, picks.gather(1, accepted[:, None]).squeeze(1))
-        acc = accepted.tolist()  # the step's one host read: the next extend's shapes depend on it
-        pick_rows = picks.tolist()
-        produced = [pick_rows[i][: a + 1] for i, a in enumerate(acc)]
+        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, batch.prefix_lens, [n] * b, batch.out_cache_loc,
+                                device=self.device, return_all_logits=True, capture_hidden_mode=CaptureHiddenMode.FULL)
+        self._set_host_ids(fb)
+        lo = self.target.model_runner.forward(fb)
+        sample, picks, accepted = self._sample_verify(reqs, lo.full_logits, drafts, slots)
+        acc = accepted.tolist()  # the next draft extend's shape depends on it
         keep = torch.tensor([i * n + j for i, a in enumerate(acc) for j in range(a + 1)], device=self.device)
         topk = lo.topk_indices[keep] if lo.topk_indices is not None else None
-        self._draft_extend(reqs, batch.prefix_lens, [a + 1 for a in acc], [x for p in produced for x in p],
+        self._draft_extend(reqs, batch.prefix_lens, [a + 1 for a in acc], picks.reshape(-1)[keep],
                            lo.hidden_states[keep], topk, batch.out_cache_loc[keep])
-        self.num_verify_steps += b
-        self.num_accepted_drafts += sum(acc)
-        res = GenerationBatchResult(next_token_ids=produced, accept_lens=[a + 1 for a in acc])
-        if want_lp:
-            lps = sample.next_token_logprobs.view(b, n).tolist()
-            res.next_token_logprobs = [lps[i][: a + 1] for i, a in enumerate(acc)]
-            if sample.top_logprobs is not None:
-                res.next_top_logprobs = [[list(zip(*sample.top_logprobs[i * n + j])) for j in range(a + 1)]
-                                         for i, a in enumerate(acc)]
-        return res
-
-    def _verify_batch(self, reqs: list[Req], prefix_lens: list[int], ids: torch.Tensor,
-                      loc: torch.Tensor) -> ForwardBatch:
-        """Rows [x, d1..dS] of each request at positions c .. c + S: decode-shaped (target_verify_spec,
-        CUDA graphs) or, under CP, one extend per request (a decode-shaped verify would gather
-        each request's context once per row)."""
-        n, b = self.num_tokens_per_req, len(reqs)
-        if self.cp:
-            fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [r.req_pool_idx for r in reqs], prefix_lens, [n] * b, loc,
-                                    device=self.device, return_all_logits=True,
-                                    capture_hidden_mode=CaptureHiddenMode.FULL)
-            self._set_host_ids(fb)
-            return fb
-        return ForwardBatch.build(ForwardMode.DECODE, ids, [r.req_pool_idx for r in reqs for _ in range(n)],
-                                  [c + j for c in prefix_lens for j in range(n)], [1] * (b * n), loc,
-                                  device=self.device, capture_hidden_mode=CaptureHiddenMode.FULL)
+        self.kv_len[slots] = torch.tensor(batch.prefix_lens, device=self.device) + accepted + 1
+        return SpecDecodeOutput(self, b, n, picks, accepted, sample).to_host()
 
     @torch.inference_mode()
     def _decode_without_drafts(self, batch: ScheduleBatch) -> GenerationBatchResult:
@@ -286,8 +325,42 @@ class EAGLEWorker:
         t.token_table.store(fb.req_pool_indices, sample.next_token_ids)
         self._draft_extend(reqs, one.prefix_lens, one.extend_lens, [FUTURE_TOKEN] * b, lo.hidden_states,
                            lo.topk_indices, one.out_cache_loc)
+        self.kv_len[fb.req_pool_indices] = fb.seq_lens
         self.num_verify_steps += b
         fb.capture_hidden_mode = CaptureHiddenMode.NULL  # hidden states were for the draft only
         res = BatchOutputCopy(one, fb, lo, sample).to_host()
         res.accept_lens = [1] * b
+        return res
+
+
+class SpecDecodeOutput:
+    """A speculative step's outputs on their way to the host: the constructor only queues the copies
+    (picks, acceptance, logprobs); `to_host()` waits for them and builds the result: per request
+    the accepted drafts plus the target's own next token, accept_lens = accepted + 1."""
+
+    def __init__(self, worker: EAGLEWorker, b: int, n: int, picks: torch.Tensor, accepted: torch.Tensor,
+                 sample) -> None:
+        self.worker, self.b, self.n = worker, b, n
+        self.picks, self.accepted = _to_host_async(picks), _to_host_async(accepted)
+        self.logprobs = _to_host_async(sample.next_token_logprobs) if sample.next_token_logprobs is not None else None
+        self.top_logprobs = sample.top_logprobs
+        self.copy_done = None
+        if picks.device.type == "cuda":
+            self.copy_done = torch.cuda.Event()
+            self.copy_done.record()
+
+    def to_host(self) -> GenerationBatchResult:
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+        acc, rows, n = self.accepted.tolist(), self.picks.tolist(), self.n
+        self.worker.num_verify_steps += self.b
+        self.worker.num_accepted_drafts += sum(acc)
+        res = GenerationBatchResult(next_token_ids=[rows[i][: a + 1] for i, a in enumerate(acc)],
+                                    accept_lens=[a + 1 for a in acc])
+        if self.logprobs is not None:
+            lps = self.logprobs.view(self.b, n).tolist()
+            res.next_token_logprobs = [lps[i][: a + 1] for i, a in enumerate(acc)]
+            if self.top_logprobs is not None:
+                res.next_top_logprobs = [[list(zip(*self.top_logprobs[i * n + j])) for j in range(a + 1)]
+                                         for i, a in enumerate(acc)]
         return res

@@ -21,11 +21,13 @@ def forced_drafts(targets: dict[tuple[int, ...], list[int]], mode: str, vocab: i
     def wrong_at(k: int, j: int) -> bool:
         return mode == "wrong" or (mode == "mixed" and (k + j) % 3 == 1)
 
-    def override(reqs, drafts: torch.Tensor) -> torch.Tensor:
+    def override(reqs, drafts: torch.Tensor, kv_lens: list[int]) -> torch.Tensor:
+        """`kv_lens`: each request's committed KV length at this step (the host's output_ids lag
+        behind a step in flight under overlap): it has output[k - 1] as its last token."""
         s = drafts.shape[1]
         rows = []
-        for r in reqs:
-            k = len(r.output_ids)
+        for r, c in zip(reqs, kv_lens):
+            k = c - len(r.origin_input_ids) + 1  # tokens generated before this step
             ahead = (targets[tuple(r.origin_input_ids)] + [5] * (s + 1))[k:k + s]
             rows.append([(t + 1) % vocab if wrong_at(k, j) else t for j, t in enumerate(ahead)])
         return torch.tensor(rows)

@@ -119,6 +119,27 @@ def test_reload_equals_fresh_prefill(policy):
     assert meta["cached_tokens"] >= 100
     _check_topk(fresh_topk, topk, 4)
     _assert_clean(eng)
+    backup = eng.scheduler.tree_cache.backup
+    if policy == "write_through":  # backed up during the prefill forwards, at layer ends
+        assert backup.stats["committed"] >= 4 and backup.stats["rolled_back"] == 0
+    else:
+        assert backup is None
+
+
+def test_repeated_prompt_reserves_no_duplicate_backup():
+    prompt, _ = _prompts(0, 120, seed=4)
+    eng = _engine(enable_hierarchical_cache=True)
+    backup = eng.scheduler.tree_cache.backup
+    first = eng.generate(input_ids=prompt, sampling_params=SP)["output_ids"]
+    _wait_idle(eng)
+    reserved = backup.stats["reserved_tokens"]
+    assert reserved == 120
+    assert eng.generate(input_ids=prompt, sampling_params=SP)["output_ids"] == first
+    both = eng.generate(input_ids=[prompt + [7] * 8, prompt + [7] * 8], sampling_params=SP)
+    assert both[0]["output_ids"] == both[1]["output_ids"]
+    _assert_clean(eng)
+    # the repeat reserved nothing; the two equal prompts in one batch reserved their new pages once
+    assert backup.stats["reserved_tokens"] == reserved + 8 and backup.stats["rolled_back"] == 0
 
 
 def test_page64_indexcache_freq4_chunked_prefill_page_first():
@@ -166,6 +187,7 @@ def test_failed_backup_leaves_nothing_visible():
     eng.generate(input_ids=prompt, sampling_params=SP)
     _assert_clean(eng)
     assert tc.host_total_size() == 0 and tc.host_allocator.available_size() == host_free0
+    assert tc.backup.stats["rolled_back"] >= 1 and tc.backup.stats["committed"] == 0
     assert tc.match_prefix(prompt).host_hit_length == 0
     tc.controller.backup_fault = None
     eng.scheduler.flush_cache()

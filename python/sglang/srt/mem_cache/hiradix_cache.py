@@ -79,6 +79,8 @@ class HiRadixCache(RadixCache):
             self.controller.wait_idle()
             self.check_events()
             self.host_allocator.clear()
+            if self.backup is not None:
+                self.backup.reset()
         self.root = HiTreeNode()
         self.root.lock_ref = 1
         self._evictable = 0
@@ -165,9 +167,12 @@ class HiRadixCache(RadixCache):
         if self.write_threshold is None:
             return
         for n in nodes:
-            if n.on_device and n.host_value is None and n.hit_count >= self.write_threshold:
-                if self.backup is not None and self.backup.covers(n):
-                    continue  # its backup is already running in the forward (async write_through)
+            if n.on_device and n.host_value is None and not n.pending and n.hit_count >= self.write_threshold:
+                covered = self.backup.covers(n) if self.backup is not None else 0
+                if covered >= len(n.key):
+                    continue  # its backup already runs in the forward (async write_through)
+                if covered:
+                    self._split(n, covered)  # n keeps the uncovered tail (e.g. decoded tokens)
                 self.write_backup(n)
 
     def write_backup(self, node: HiTreeNode, wait: bool = False) -> bool:
@@ -320,6 +325,8 @@ class HiRadixCache(RadixCache):
         counted = getattr(req, "hicache_counted_len", 0)
         new_prefix = self.insert(token_ids[:aligned], kv[:aligned], counted_len=counted)
         req.hicache_counted_len = max(counted, aligned)
+        if self.backup is not None:
+            self.backup.on_insert(req)
         cached = len(req.prefix_indices)
         if new_prefix > cached:
             self.allocator.free(kv[cached:new_prefix])
@@ -387,6 +394,8 @@ def worker_kv_pools(worker) -> list:
 
 def create_hiradix_cache(server_args, worker, req_to_token_pool, allocator, page_size: int) -> HiRadixCache:
     """HiRadixCache over host mirrors of every pool of `worker`, sized by --hicache-size / --hicache-ratio."""
+    from sglang.srt.managers.hicache_backup import AsyncBackup
+    from sglang.srt.managers.overlap_utils import InlineLauncher
     from sglang.srt.mem_cache.memory_pool_host import HostKVPool, plan_host_tokens
     from sglang.srt.server_args import ServerArgsError
 
@@ -401,6 +410,9 @@ def create_hiradix_cache(server_args, worker, req_to_token_pool, allocator, page
     controller = HiCacheController(pairs, sa.hicache_io_backend)
     cache = HiRadixCache(req_to_token_pool, allocator, page_size, controller, HostPageAllocator(tokens, page_size),
                          sa.hicache_write_policy)
+    launcher = getattr(worker, "launcher", None)
+    if sa.hicache_write_policy == "write_through" and (launcher is None or isinstance(launcher, InlineLauncher)):
+        cache.backup = AsyncBackup(cache)  # reserve before the forward, copy at layer ends
     logger.info("HiCache: host pool of %d tokens (%.2f GB, %d mirror(s), %s), write policy %s", tokens,
                 sum(h.get_size_bytes() for _, h in pairs) / 1e9, len(pairs), sa.hicache_mem_layout,
                 sa.hicache_write_policy)

@@ -5,6 +5,8 @@ was not backed up / restored; comparing top-k per layer is what catches that."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,12 +14,13 @@ from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 
 MODEL = "builtin:tiny-deepseek-v32"
+DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")  # cuda: the same checks with CUDA streams + pinned host
 SP = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
 
 def _engine(**kw) -> Engine:
-    args = dict(model_path=MODEL, dtype="float32", device="cpu", nsa_index_k_dtype="float32", random_seed=0,
-                max_total_tokens=256, disable_overlap_schedule=False)
+    args = dict(model_path=MODEL, dtype="float32", device=DEVICE, nsa_index_k_dtype="float32", random_seed=0,
+                max_total_tokens=256, page_size=1)
     args.update(kw)
     return Engine(**args)
 
@@ -218,3 +221,32 @@ def test_host_size_beyond_host_memory_is_refused():
     with pytest.raises(ServerArgsError) as e:
         _engine(enable_hierarchical_cache=True, hicache_size=1e9)  # 1e9 GB
     assert e.value.flag == "hicache_size" and "available" in str(e.value)
+
+
+def test_eagle_draft_kv_is_backed_up_and_restored():
+    """The draft (NextN) pool has its own KV and index K: its host mirror shares the target's host
+    slots. After a reload the draft proposes exactly what it proposes after a fresh prefill, so the
+    acceptance is the same (upstream: acceptance collapsed after a reload until a cache flush)."""
+    kw = dict(model_path="builtin:tiny-deepseek-v32-mtp", speculative_algorithm="EAGLE", speculative_num_steps=2)
+    prompt, fillers = _prompts(2, 120, seed=5)  # 3 x 132 tokens: the device (256) evicts, the host (512) keeps
+    sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+
+    def run(eng: Engine) -> tuple[list[int], list[list[int]]]:
+        drafts = []
+        eng.scheduler.tp_worker.draft_override = lambda reqs, d: (drafts.append(d.tolist()), d)[1]
+        out = eng.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+        eng.scheduler.tp_worker.draft_override = None
+        return out, drafts
+
+    want, want_drafts = run(_engine(disable_radix_cache=True, **kw))
+    eng = _engine(enable_hierarchical_cache=True, **kw)
+    tc = eng.scheduler.tree_cache
+    assert len(tc.controller.pairs) == 2 and tc.controller.pairs[1][0].layer_num == 1
+    assert run(eng) == (want, want_drafts)
+    for f in fillers:
+        eng.generate(input_ids=f, sampling_params=sp)
+    _wait_idle(eng)
+    assert tc.match_prefix(prompt).host_hit_length >= 100
+    assert run(eng) == (want, want_drafts)  # the reloaded draft KV drafts as a fresh prefill's does
+    assert tc.backup.stats["rolled_back"] == 0
+    _assert_clean(eng)

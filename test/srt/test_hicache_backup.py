@@ -155,7 +155,7 @@ def test_commit_after_insert_and_final_ack():
     for pool, host in h.ctl.pairs:
         for lid in range(pool.layer_num):
             for pl in pool.page_payloads(lid):
-                assert torch.equal(host.payload(lid, pl.name)[host_pages], pl.buffer[dev_pages])
+                assert torch.equal(host.payload(lid, pl.name)[host_pages], pl.buffer[dev_pages].cpu())
     h.clean()
 
 

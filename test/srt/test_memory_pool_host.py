@@ -3,6 +3,8 @@ both host layouts, the host page allocator's rules, and the host-size plan's ref
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,9 +18,13 @@ from sglang.srt.mem_cache.memory_pool_host import (
 from sglang.srt.server_args import ServerArgsError
 
 
+DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
+
+
 def nsa_pool(page_size: int = 4, index_layer_ids=(0, 1), layers: int = 4, size: int = 64) -> NSATokenToKVPool:
     return NSATokenToKVPool(size, page_size, torch.float32, kv_lora_rank=8, qk_rope_head_dim=4, layer_num=layers,
-                            index_head_dim=128, index_k_dtype="fp8_e4m3", index_layer_ids=list(index_layer_ids))
+                            index_head_dim=128, index_k_dtype="fp8_e4m3", index_layer_ids=list(index_layer_ids),
+                            device=DEVICE)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])

@@ -213,8 +213,8 @@ class HiCacheController:
         dev, host = self.pairs[pair]
         for payload in dev.page_payloads(layer_id):
             dst = host.payload(layer_id, payload.name)
-            rows = payload.buffer[dp.to(payload.buffer.device)]
-            dst[hp] = rows.to("cpu", non_blocking=True) if self.use_cuda else rows
+            # a blocking D2H on the copy thread: it waits for the write stream only, never the forward
+            dst[hp] = payload.buffer[dp.to(payload.buffer.device)].cpu()
             self._observe("backup", self.on_backup_done, hp, layer_id, payload.name, dst, keys)
 
     def _copy_to_device(self, pair: int, layer_id: int, hp: torch.Tensor, dp: torch.Tensor, keys) -> None:

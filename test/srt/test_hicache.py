@@ -120,6 +120,7 @@ def test_reload_equals_fresh_prefill(policy):
     got, topk, meta = _evict_then_reload(eng, prompt, fillers)
     assert got == want
     assert meta["cached_tokens"] >= 100
+    assert eng.scheduler.tree_cache.stats["loaded_tokens"] >= 100
     _check_topk(fresh_topk, topk, 4)
     _assert_clean(eng)
     backup = eng.scheduler.tree_cache.backup
@@ -208,8 +209,6 @@ def test_failed_backup_leaves_nothing_visible():
     (dict(hicache_write_policy="write_sometimes"), "hicache_write_policy"),
     (dict(hicache_mem_layout="tokens_first"), "hicache_mem_layout"),
     (dict(hicache_size=-1.0), "hicache_size"),
-    (dict(enable_hierarchical_cache=True, enable_nsa_prefill_context_parallel=True, attn_cp_size=2, tp_size=2),
-     "enable_hierarchical_cache"),
 ])
 def test_bad_flags_name_the_flag(kw, flag):
     with pytest.raises(ServerArgsError) as e:
@@ -250,3 +249,26 @@ def test_eagle_draft_kv_is_backed_up_and_restored():
     assert run(eng) == (want, want_drafts)  # the reloaded draft KV drafts as a fresh prefill's does
     assert tc.backup.stats["rolled_back"] == 0
     _assert_clean(eng)
+
+
+@pytest.mark.parametrize("mode,page_size", [("round-robin-split", 64), ("in-seq-split", 1)])
+def test_cp2_reload_equals_cp1_fresh(mode, page_size):
+    """CP = 2 on real processes (gloo): each rank backs up and reloads only the pages it stores (a
+    load-back takes device pages of the owners the host pages came from), with no collective in
+    HiCache; the reloaded prompt decodes as cp = 1 without any cache does."""
+    from sglang.srt.testing.multi_rank import Case, run_case, run_multi_rank
+
+    prompt, fillers = _prompts(2, 200, seed=6)
+    sa = dict(model_path=MODEL, dtype="float32", nsa_index_k_dtype="float32", page_size=page_size,
+              max_total_tokens=512, chunked_prefill_size=-1, enable_nsa_prefill_context_parallel=True,
+              nsa_prefill_cp_mode=mode, enable_hierarchical_cache=True)
+    case = Case(f"cp2-{mode}", sa, [prompt], 6, rounds=[[f] for f in fillers] + [[prompt]])
+    got = run_multi_rank([case], 2)[0]
+    ref_sa = {k: v for k, v in sa.items() if k not in ("enable_nsa_prefill_context_parallel", "nsa_prefill_cp_mode",
+                                                       "enable_hierarchical_cache")}
+    ref = run_case(Case("ref", dict(ref_sa, disable_radix_cache=True), [prompt], 6), 1)
+    assert got["p0"]["ids"] == ref["p0"]["ids"]
+    assert got[f"r{len(fillers)}_0"]["ids"] == ref["p0"]["ids"]  # after eviction to host and reload
+    assert got["_stats"]["cached_tokens"] >= 192  # the reloaded prefix counted as cached
+    assert got["_stats"]["cache_stats"]["loaded_tokens"] >= 192  # ... and it came from the host
+    assert got["_stats"]["kv_leak"] is None

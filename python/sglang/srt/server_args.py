@@ -483,9 +483,6 @@ def _check_hicache(args: ServerArgs) -> None:
         raise ServerArgsError("hicache_ratio", "must be > 0 (or give --hicache-size in GB)")
     if args.disable_radix_cache:
         raise ServerArgsError("enable_hierarchical_cache", "needs the radix cache (drop --disable-radix-cache)")
-    if args.enable_nsa_prefill_context_parallel:
-        raise ServerArgsError("enable_hierarchical_cache", "is not supported with context parallel yet (each CP "
-                              "rank stores only its own KV pages)")
     if args.hicache_io_backend == "kernel":
         # The Triton page-copy kernel is not written yet: refuse it everywhere rather than fall back silently.
         raise ServerArgsError("hicache_io_backend", "kernel (a Triton page-copy kernel) is not available in this "

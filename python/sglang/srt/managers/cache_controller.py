@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 
+from sglang.srt.mem_cache.cp_page_map import page_owner, physical_page
 from sglang.srt.mem_cache.memory_pool import KVCache
 from sglang.srt.mem_cache.memory_pool_host import HostKVPool
 
@@ -98,12 +99,16 @@ class _CopyThread:
 
 
 class HiCacheController:
-    def __init__(self, pairs: list[tuple[KVCache, HostKVPool]], io_backend: str = "direct") -> None:
+    def __init__(self, pairs: list[tuple[KVCache, HostKVPool]], io_backend: str = "direct",
+                 cp_rank: int = 0, cp_size: int = 1) -> None:
+        """`cp_rank` / `cp_size`: under CP with shared KV the slots given to transfers are logical;
+        this rank moves only the pages it owns (cp_page_map), at their physical index in its pool."""
         if io_backend != "direct":
             raise ValueError(f"hicache io backend {io_backend!r} is not available (only 'direct')")
         for dev, host in pairs:
             host.check_device_pool(dev)
         self.pairs = pairs
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.page_size = pairs[0][1].page_size
         self.use_cuda = any(torch.device(d.device).type == "cuda" for d, _ in pairs)
         self._cv = threading.Condition()
@@ -128,6 +133,13 @@ class HiCacheController:
             raise ValueError(f"transfers move whole pages: {slots.numel()} slots, page {self.page_size}")
         return slots.reshape(-1, self.page_size)[:, 0].to("cpu", torch.int64) // self.page_size
 
+    def _local(self, hp: torch.Tensor, dp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host pages, device pages in this rank's pool) of the logical pages this rank stores."""
+        if self.cp_size == 1:
+            return hp, dp
+        mine = page_owner(dp, self.cp_size) == self.cp_rank
+        return hp[mine], physical_page(dp[mine], self.cp_size)
+
     def _compute_event(self):
         """An event on the compute stream now: copies wait for the work queued so far."""
         if not self.use_cuda:
@@ -142,7 +154,7 @@ class HiCacheController:
         op = TransferOp("load", host_indices, device_indices, page_keys, on_done=on_done)
         op.progress = [0] * len(self.pairs)
         op.events = [[None] * dev.layer_num for dev, _ in self.pairs]
-        hp, dp = self._pages(host_indices), self._pages(device_indices)
+        hp, dp = self._local(self._pages(host_indices), self._pages(device_indices))
         ready = self._compute_event()
         with self._cv:
             self._loads.append(op)
@@ -158,7 +170,7 @@ class HiCacheController:
         """Queue a device -> host backup of every layer of every pair (the device KV is complete)."""
         op = TransferOp("backup", host_indices, device_indices, page_keys, on_done=on_done)
         op.progress = [0] * len(self.pairs)
-        hp, dp = self._pages(host_indices), self._pages(device_indices)
+        hp, dp = self._local(self._pages(host_indices), self._pages(device_indices))
         ready = self._compute_event()
 
         def run() -> None:
@@ -177,7 +189,7 @@ class HiCacheController:
     def backup_layer(self, pair: int, layer_id: int, device_indices: torch.Tensor, host_indices: torch.Tensor,
                      page_keys: list | None, done: Callable[[BaseException | None], None]) -> None:
         """Queue one layer's backup (a layer-end hook); `done(error)` runs on the copy thread."""
-        hp, dp = self._pages(host_indices), self._pages(device_indices)
+        hp, dp = self._local(self._pages(host_indices), self._pages(device_indices))
         ready = self._compute_event()
 
         def run() -> None:

@@ -168,6 +168,7 @@ class AsyncBackup:
             if host is None:
                 continue  # the host is full of pinned copies: the insert-time path may try again
             dev = r2t.read(req.req_pool_idx, end)[start:end]
+            self.cache.note_owners(host, dev)
             r = BackupReservation(key, start, dev, host, self.expected)
             r.rid = req.rid
             self.stats["reserved"] += 1

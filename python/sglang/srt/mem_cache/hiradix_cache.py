@@ -23,6 +23,7 @@ touches a node whose load is not yet acknowledged (check_events).
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
 import time
@@ -31,6 +32,7 @@ import torch
 
 from sglang.srt.managers.cache_controller import HiCacheController, TransferOp
 from sglang.srt.mem_cache.base_prefix_cache import MatchResult
+from sglang.srt.mem_cache.cp_page_map import page_owner
 from sglang.srt.mem_cache.memory_pool_host import HostPageAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
@@ -71,6 +73,8 @@ class HiRadixCache(RadixCache):
         self.controller, self.host_allocator, self.write_policy = controller, host_allocator, write_policy
         self.write_threshold = WRITE_THRESHOLDS[write_policy]
         self.backup = None  # AsyncBackup (managers/hicache_backup.py), set by the builder for write_through
+        self.cp_size = controller.cp_size
+        self.stats: collections.Counter = collections.Counter()  # loaded_tokens, backed_up_tokens, evicted_to_host
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
 
     # -- tree basics --------------------------------------------------------------------------------
@@ -181,12 +185,19 @@ class HiRadixCache(RadixCache):
         if host is None:
             return False
         node.host_value = host
+        self.note_owners(host, node.value)
         op = self.controller.backup(node.value, host, on_done=self._on_backup_done)
         op.nodes = [node]
         node.pending.append(op)
         if wait:
             self.wait_op(op)
         return True
+
+    def note_owners(self, host: torch.Tensor, device: torch.Tensor) -> None:
+        """Remember the CP owner of each backed-up page (a load-back keeps it; see init_load_back)."""
+        if self.cp_size > 1:
+            self.host_allocator.record_owners(host, page_owner(device[:: self.page_size] // self.page_size,
+                                                               self.cp_size))
 
     def wait_op(self, op: TransferOp) -> None:
         while not op.done:
@@ -230,15 +241,16 @@ class HiRadixCache(RadixCache):
             node = node.parent
         nodes.reverse()
         dev_len = len(match.device_indices)
+        host = torch.cat([x.host_value for x in nodes])
         self.inc_lock_ref(match.last_node)  # our own eviction must not take the device prefix
         try:
-            out = self._alloc_device(dev_len, n)
+            out = self._alloc_device(dev_len, n, host)
         finally:
             self.dec_lock_ref(match.last_node)
         if out is None:
             return match
-        host = torch.cat([x.host_value for x in nodes])
         op = self.controller.load(host, out, on_done=self._on_load_done)
+        self.stats["loaded_tokens"] += n
         op.nodes = list(nodes)
         off = 0
         for x in nodes:
@@ -248,9 +260,12 @@ class HiRadixCache(RadixCache):
             self._evictable += len(x.key)
         return MatchResult(torch.cat([match.device_indices, out.to(torch.int64)]), match.last_host_node)
 
-    def _alloc_device(self, dev_len: int, n: int) -> torch.Tensor | None:
-        # alloc_extend at the real positions: under a CP allocator the page owners follow positions.
+    def _alloc_device(self, dev_len: int, n: int, host: torch.Tensor) -> torch.Tensor | None:
+        # Under CP, device pages of the owners the host pages were backed up from: each rank then
+        # loads exactly the pages its own host mirror holds (no collective).
         def alloc():
+            if self.cp_size > 1:
+                return self.allocator.alloc_owned_pages(self.host_allocator.owners(host))
             return self.allocator.alloc_extend([dev_len], [dev_len + n], [-1])
 
         out = alloc()
@@ -278,7 +293,9 @@ class HiRadixCache(RadixCache):
             self._evictable -= len(leaf.key)
             self.allocator.free(leaf.value)
             leaf.value = None
-            if not leaf.host_ready:
+            if leaf.host_ready:
+                self.stats["evicted_to_host"] += len(leaf.key)
+            else:
                 self._delete_subtree(leaf)
             parent = leaf.parent
             if (parent is not self.root and parent.on_device and parent.lock_ref == 0 and not parent.pending
@@ -338,6 +355,10 @@ class HiRadixCache(RadixCache):
 
     # -- lifecycle hooks ------------------------------------------------------------------------------
     def check_events(self) -> None:
+        if self.cp_size > 1:
+            # Radix state must change at the same step on every CP rank: wait for this rank's own
+            # copies here (local, no collective) instead of acking whenever they happen to finish.
+            self.controller.wait_idle()
         self.controller.poll()  # acks run the ops' on_done (nodes unpinned, failures undone)
         if self.backup is not None:
             self.backup.check_events()
@@ -397,17 +418,13 @@ def create_hiradix_cache(server_args, worker, req_to_token_pool, allocator, page
     from sglang.srt.managers.hicache_backup import AsyncBackup
     from sglang.srt.managers.overlap_utils import InlineLauncher
     from sglang.srt.mem_cache.memory_pool_host import HostKVPool, plan_host_tokens
-    from sglang.srt.server_args import ServerArgsError
-
     sa = server_args
-    if getattr(worker.model_runner, "cp_group", None) is not None:
-        raise ServerArgsError("enable_hierarchical_cache", "is not supported with context parallel yet (each CP "
-                              "rank stores only its own KV pages)")
+    cp = getattr(worker.model_runner, "cp_group", None)
     pools = worker_kv_pools(worker)
     tokens = plan_host_tokens(worker.max_total_num_tokens, [p.layout() for p in pools], sa.hicache_ratio,
                               sa.hicache_size, page_size)
     pairs = [(p, HostKVPool(p, tokens, sa.hicache_mem_layout)) for p in pools]
-    controller = HiCacheController(pairs, sa.hicache_io_backend)
+    controller = HiCacheController(pairs, sa.hicache_io_backend, cp.rank if cp else 0, cp.world_size if cp else 1)
     cache = HiRadixCache(req_to_token_pool, allocator, page_size, controller, HostPageAllocator(tokens, page_size),
                          sa.hicache_write_policy)
     launcher = getattr(worker, "launcher", None)

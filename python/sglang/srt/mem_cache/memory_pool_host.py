@@ -78,6 +78,15 @@ class HostPageAllocator:
     def clear(self) -> None:
         self.free_pages = list(range(self.num_pages))
         self._is_free = [True] * self.num_pages
+        # CP owner of the device page each host page was backed up from: a load-back takes device
+        # pages of the same owners, so every rank reloads exactly the pages it backed up.
+        self.page_owner = torch.zeros(self.num_pages, dtype=torch.int64)
+
+    def record_owners(self, host_slots: torch.Tensor, owners: torch.Tensor) -> None:
+        self.page_owner[host_slots[:: self.page_size] // self.page_size] = owners
+
+    def owners(self, host_slots: torch.Tensor) -> list[int]:
+        return self.page_owner[host_slots[:: self.page_size] // self.page_size].tolist()
 
     def available_size(self) -> int:
         return len(self.free_pages) * self.page_size

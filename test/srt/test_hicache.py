@@ -272,3 +272,28 @@ def test_cp2_reload_equals_cp1_fresh(mode, page_size):
     assert got["_stats"]["cached_tokens"] >= 192  # the reloaded prefix counted as cached
     assert got["_stats"]["cache_stats"]["loaded_tokens"] >= 192  # ... and it came from the host
     assert got["_stats"]["kv_leak"] is None
+
+
+def test_trace_hook_sees_every_payload_at_backup_and_reload():
+    """The KV-trace seam: with `controller.trace` set, every backed-up and every reloaded page of
+    every layer is reported with (host page, prefix-hash key); the reloaded bytes equal the backed-up
+    ones, and index K appears exactly on the index layers."""
+    prompt, fillers = _prompts(3, 120, seed=7)
+    eng = _engine(enable_hierarchical_cache=True, nsa_index_topk_freq=4)
+    tc = eng.scheduler.tree_cache
+    seen: dict[tuple, dict[str, torch.Tensor]] = {}
+
+    class Trace:
+        def record(self, event, fingerprint, layer_id, payload, tensor):
+            seen.setdefault((fingerprint, layer_id, payload), {})[event] = tensor.clone()
+
+    tc.controller.trace = Trace()
+    _evict_then_reload(eng, prompt, fillers)
+    _wait_idle(eng)
+    reloaded = {k: v for k, v in seen.items() if "load" in v}
+    assert reloaded and all("backup" in v and torch.equal(v["backup"], v["load"]) for v in reloaded.values())
+    assert {lid for (_, lid, name) in reloaded if name == "index_k"} == {0, 1}
+    assert {lid for (_, lid, name) in reloaded if name == "kv"} == {0, 1, 2, 3}
+    keys = {fp[1] for (fp, _, _) in reloaded}
+    assert None not in keys and len(keys) == len({fp for (fp, _, _) in reloaded})
+    assert len({fp[0] for (fp, _, _) in reloaded}) >= 100  # page size 1: one host page per reloaded token

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from sglang.srt.mem_cache.hiradix_cache import page_prefix_hashes
+
 logger = logging.getLogger(__name__)
 _ids = itertools.count(1)
 
@@ -64,6 +66,7 @@ class BackupReservation:
         self.error: BaseException | None = None
         self.state = BackupState.RESERVED
         self.nodes: list = []  # attached tree nodes (pinned)
+        self.page_keys: list[str] | None = None  # content keys for the KV trace / L3 (when one is set)
         self.attached = False
 
     # -- transitions ------------------------------------------------------------------------------
@@ -171,6 +174,9 @@ class AsyncBackup:
             self.cache.note_owners(host, dev)
             r = BackupReservation(key, start, dev, host, self.expected)
             r.rid = req.rid
+            ctl = self.controller
+            r.page_keys = (page_prefix_hashes(key, self.cache.page_size, start)
+                           if ctl.trace is not None or ctl.storage is not None else None)
             self.stats["reserved"] += 1
             self.stats["reserved_tokens"] += end - start
             self.live.append(r)
@@ -181,7 +187,7 @@ class AsyncBackup:
     def on_layer_end(self, pair: int, layer: int) -> None:
         for r in self.current:
             if r.layer_enqueued(pair, layer):
-                self.controller.backup_layer(pair, layer, r.device_indices, r.host_indices, None,
+                self.controller.backup_layer(pair, layer, r.device_indices, r.host_indices, r.page_keys,
                                              lambda err, r=r: self._acks.append((r, pair, layer, err)))
 
     def covers(self, node) -> int:

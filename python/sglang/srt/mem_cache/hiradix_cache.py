@@ -24,7 +24,9 @@ touches a node whose load is not yet acknowledged (check_events).
 from __future__ import annotations
 
 import collections
+import hashlib
 import heapq
+import struct
 import logging
 import time
 
@@ -186,12 +188,24 @@ class HiRadixCache(RadixCache):
             return False
         node.host_value = host
         self.note_owners(host, node.value)
-        op = self.controller.backup(node.value, host, on_done=self._on_backup_done)
+        op = self.controller.backup(node.value, host, self.page_keys(node), on_done=self._on_backup_done)
         op.nodes = [node]
         node.pending.append(op)
         if wait:
             self.wait_op(op)
         return True
+
+    def page_keys(self, node: HiTreeNode) -> list[str] | None:
+        """Per-page content keys of a node's pages, only when a consumer (KV trace, L3) is set."""
+        if self.controller.trace is None and self.controller.storage is None:
+            return None
+        path = []
+        x = node
+        while x is not self.root:
+            path.append(x.key)
+            x = x.parent
+        tokens = [t for key in reversed(path) for t in key]
+        return page_prefix_hashes(tokens, self.page_size, len(tokens) - len(node.key))
 
     def note_owners(self, host: torch.Tensor, device: torch.Tensor) -> None:
         """Remember the CP owner of each backed-up page (a load-back keeps it; see init_load_back)."""
@@ -249,7 +263,10 @@ class HiRadixCache(RadixCache):
             self.dec_lock_ref(match.last_node)
         if out is None:
             return match
-        op = self.controller.load(host, out, on_done=self._on_load_done)
+        keys = None
+        if self.controller.trace is not None or self.controller.storage is not None:
+            keys = [k for x in nodes for k in self.page_keys(x)]
+        op = self.controller.load(host, out, keys, on_done=self._on_load_done)
         self.stats["loaded_tokens"] += n
         op.nodes = list(nodes)
         off = 0
@@ -402,6 +419,19 @@ class HiRadixCache(RadixCache):
                 raise AssertionError(f"device node {x.id} under host-only parent {x.parent.id}")
             if x.lock_ref and not x.on_device:
                 raise AssertionError(f"host-only node {x.id} is locked")
+
+
+def page_prefix_hashes(token_ids: list[int], page_size: int, start: int = 0) -> list[str]:
+    """Content keys of the pages of `token_ids[start:]` (start page-aligned): page j's key hashes
+    every token up to the end of page j, so equal keys mean equal KV (the KV trace's fingerprint
+    and an L3 store's key)."""
+    h = hashlib.sha256()
+    out = []
+    for i in range(0, len(token_ids) - len(token_ids) % page_size, page_size):
+        h.update(struct.pack(f"<{page_size}q", *token_ids[i: i + page_size]))
+        if i >= start:
+            out.append(h.copy().hexdigest()[:32])
+    return out
 
 
 def worker_kv_pools(worker) -> list:

@@ -157,6 +157,8 @@ def test_page64_indexcache_freq4_chunked_prefill_page_first():
     assert got == want and meta["cached_tokens"] == 192
     _check_topk(fresh_topk, topk, 4)
     _assert_clean(eng)
+    stats = eng.scheduler.tree_cache.backup.stats  # one reservation per 64-token chunk, all committed
+    assert stats["committed"] >= 3 * 4 and stats["rolled_back"] == 0
 
 
 def test_delayed_layer_load_still_identical():
@@ -230,23 +232,23 @@ def test_eagle_draft_kv_is_backed_up_and_restored():
     prompt, fillers = _prompts(2, 120, seed=5)  # 3 x 132 tokens: the device (256) evicts, the host (512) keeps
     sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 
-    def run(eng: Engine) -> tuple[list[int], list[list[int]]]:
+    def run(eng: Engine) -> tuple[list[int], list[list[int]], float]:
         drafts = []
         eng.scheduler.tp_worker.draft_override = lambda reqs, d: (drafts.append(d.tolist()), d)[1]
-        out = eng.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+        out = eng.generate(input_ids=prompt, sampling_params=sp)
         eng.scheduler.tp_worker.draft_override = None
-        return out, drafts
+        return out["output_ids"], drafts, out["meta_info"]["spec_accept_length"]
 
-    want, want_drafts = run(_engine(disable_radix_cache=True, **kw))
+    want = run(_engine(disable_radix_cache=True, **kw))
     eng = _engine(enable_hierarchical_cache=True, **kw)
     tc = eng.scheduler.tree_cache
     assert len(tc.controller.pairs) == 2 and tc.controller.pairs[1][0].layer_num == 1
-    assert run(eng) == (want, want_drafts)
+    assert run(eng) == want
     for f in fillers:
         eng.generate(input_ids=f, sampling_params=sp)
     _wait_idle(eng)
     assert tc.match_prefix(prompt).host_hit_length >= 100
-    assert run(eng) == (want, want_drafts)  # the reloaded draft KV drafts as a fresh prefill's does
+    assert run(eng) == want  # the reloaded draft KV drafts (and is accepted) as after a fresh prefill
     assert tc.backup.stats["rolled_back"] == 0
     _assert_clean(eng)
 

@@ -97,7 +97,19 @@ class Harness:
         self.r2t.write(req.req_pool_idx, 0, m.device_indices)
         new = self.alloc.alloc(len(tokens) - len(m.device_indices))
         self.r2t.write(req.req_pool_idx, len(m.device_indices), new)
+        self._write_kv(new, seed=tokens[0])
         return req
+
+    def _write_kv(self, slots: torch.Tensor, seed: int) -> None:
+        """What the forward would write: distinct KV (and index K) per request."""
+        g = torch.Generator().manual_seed(seed)
+        for pool in (self.target, self.draft):
+            for buf in pool.kv_buffer:
+                buf[slots.to(buf.device)] = torch.randn(len(slots), *buf.shape[1:], generator=g).to(buf.device)
+            pages = torch.unique(slots // P)
+            for buf in pool.index_k_with_scale_buffer:
+                buf[pages.to(buf.device)] = torch.randint(0, 256, (len(pages), buf.shape[1]), generator=g,
+                                                          dtype=torch.uint8).to(buf.device)
 
     def batch(self, reqs) -> SimpleNamespace:
         return SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=reqs, num_extend_reqs=len(reqs),
@@ -236,3 +248,28 @@ def test_pinned_until_ack_then_evicts_to_host():
     m = h.cache.match_prefix(toks)
     assert len(m.device_indices) == 0 and m.host_hit_length == 16
     h.clean()
+
+
+def test_write_back_eviction_during_load_back_spares_the_host_pages_it_reads():
+    """A load-back that must evict under write_back backs the victim up first; that backup's host
+    allocation may evict host-only leaves, but never the pages the load-back is about to read."""
+    h = Harness()
+    h.cache.write_policy, h.cache.write_threshold, h.cache.backup = "write_back", None, None
+    h.cache.host_allocator = HostPageAllocator(32, P)  # room for exactly two 16-token prompts
+    a, b = _tokens(16, 100), _tokens(16, 300)
+    for toks in (a, b):
+        h.cache.cache_finished_req(h.req(toks))
+    h.cache.evict(10**6)  # both backed up on eviction: the host is full
+    h.settle()
+    assert h.cache.match_prefix(a).host_hit_length == 16 and h.cache.host_allocator.available_size() == 0
+    host_a = h._path(a)[0].host_value[::P] // P
+    snap = [host.payload(lid, "kv")[host_a].clone() for _, host in h.ctl.pairs for lid in (0,)]
+    for toks in (_tokens(32, 700), _tokens(48, 800), _tokens(48, 900)):  # the device is full; the
+        h.cache.cache_finished_req(h.req(toks))                         # 32-token one is the LRU victim
+    assert h.alloc.available_size() == 0
+    m = h.cache.init_load_back(h.cache.match_prefix(a))
+    h.settle()
+    assert len(m.device_indices) == 16
+    for (pool, _), want in zip(h.ctl.pairs, snap):
+        assert torch.equal(pool.page_payloads(0)[0].buffer[m.device_indices[::P] // P].cpu(), want)
+    h.cache.check_invariants()

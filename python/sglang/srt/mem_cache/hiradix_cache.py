@@ -66,6 +66,21 @@ class HiTreeNode(TreeNode):
         return self.host_value is not None and not any(op.kind == "backup" for op in self.pending)
 
 
+class _Pin:
+    """Keeps nodes out of both evictions for a moment (a pending entry that is no transfer)."""
+
+    kind = "pin"
+
+    def __init__(self, nodes: list[HiTreeNode]) -> None:
+        self.nodes = list(nodes)
+        for x in self.nodes:
+            x.pending.append(self)
+
+    def release(self) -> None:
+        for x in self.nodes:  # includes halves split off meanwhile (_split extends self.nodes)
+            x.pending.remove(self)
+
+
 class HiRadixCache(RadixCache):
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int,
                  controller: HiCacheController, host_allocator: HostPageAllocator,
@@ -256,11 +271,15 @@ class HiRadixCache(RadixCache):
         nodes.reverse()
         dev_len = len(match.device_indices)
         host = torch.cat([x.host_value for x in nodes])
-        self.inc_lock_ref(match.last_node)  # our own eviction must not take the device prefix
+        # Our own eviction must take neither the device prefix (locked) nor, through a write_back
+        # backup's host allocation, the host pages about to be read (pinned).
+        pin = _Pin(nodes)
+        self.inc_lock_ref(match.last_node)
         try:
             out = self._alloc_device(dev_len, n, host)
         finally:
             self.dec_lock_ref(match.last_node)
+            pin.release()
         if out is None:
             return match
         keys = None

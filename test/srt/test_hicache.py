@@ -299,3 +299,31 @@ def test_trace_hook_sees_every_payload_at_backup_and_reload():
     keys = {fp[1] for (fp, _, _) in reloaded}
     assert None not in keys and len(keys) == len({fp for (fp, _, _) in reloaded})
     assert len({fp[0] for (fp, _, _) in reloaded}) >= 100  # page size 1: one host page per reloaded token
+
+
+@pytest.mark.parametrize("abort_after_steps", [1, 2, 3])
+def test_abort_mid_chunked_prefill_then_reload(abort_after_steps):
+    """Abort a chunked prefill part-way (its chunks' backups in flight or committed): no KV or host
+    slot leaks, nothing uncommitted is visible, and later requests for the same prompt -- served from
+    whatever was backed up, after an eviction -- still equal a fresh prefill."""
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    kw = dict(chunked_prefill_size=32)
+    prompt, fillers = _prompts(3, 120, seed=8)
+    want, _ = _fresh(prompt, **kw)
+    eng = _engine(enable_hierarchical_cache=True, **kw)
+    sched, tc = eng.scheduler, eng.scheduler.tree_cache
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    sched.add_request(TokenizedGenerateReqInput("victim", list(prompt), sp))
+    for _ in range(abort_after_steps):
+        sched.step()
+    sched.abort_request("victim")
+    while sched.has_work():
+        sched.step()
+    _assert_clean(eng)
+    assert tc.match_prefix(prompt).host_hit_length == 0  # anything it cached is device-resident
+    got, _, meta = _evict_then_reload(eng, prompt, fillers)
+    assert got == want and meta["cached_tokens"] >= 100
+    assert eng.generate(input_ids=prompt, sampling_params=SP)["output_ids"] == want
+    _assert_clean(eng)

@@ -273,3 +273,21 @@ def test_write_back_eviction_during_load_back_spares_the_host_pages_it_reads():
     for (pool, _), want in zip(h.ctl.pairs, snap):
         assert torch.equal(pool.page_payloads(0)[0].buffer[m.device_indices[::P] // P].cpu(), want)
     h.cache.check_invariants()
+
+
+def test_host_eviction_is_lru_over_host_only_leaves():
+    h = Harness()
+    h.cache.backup = None  # back up at insert (write_through), so each prompt is one backup op
+    h.cache.host_allocator = HostPageAllocator(32, P)
+    a, b, c = _tokens(16, 100), _tokens(16, 300), _tokens(16, 500)
+    for toks in (a, b):
+        h.cache.cache_finished_req(h.req(toks))
+    h.settle()
+    assert h.cache.evict(10**6) == 32  # both become host-only
+    h.cache.match_prefix(a)  # a is now more recent than b
+    h.cache.cache_finished_req(h.req(c))  # its backup needs 16 host tokens: b goes
+    h.settle()
+    assert h.cache.match_prefix(a).host_hit_length == 16
+    assert h.cache.match_prefix(b).host_hit_length == 0 and h.host_visible(c) == 16
+    h.cache.check_invariants()
+    assert h.cache.host_leak_report() is None

@@ -209,7 +209,8 @@ class HiCacheController:
         if stream is None:
             fn()
             return
-        with torch.cuda.stream(stream):
+        # A new thread's current device is 0: select the stream's device too (a rank on cuda:1).
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
             if ready is not None:
                 stream.wait_event(ready)
             fn()
@@ -263,7 +264,7 @@ class HiCacheController:
                         self._copy_to_device(i, layer, hp, dp, op.page_keys)
                         if self.use_cuda:
                             ev = torch.cuda.Event()
-                            ev.record()
+                            ev.record(self._load_stream)
                             op.events[i][layer] = ev
                         with self._cv:
                             op.progress[i] = layer + 1

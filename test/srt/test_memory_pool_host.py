@@ -83,6 +83,9 @@ def test_plan_host_tokens():
     with pytest.raises(ServerArgsError) as e:
         plan_host_tokens(100, [lo], 2.0, 0.0, 4, available=199 * per)
     assert e.value.flag == "hicache_ratio"
+    with pytest.raises(ServerArgsError, match="stays free"):  # fits, but would leave the host < 10% free
+        plan_host_tokens(100, [lo], 2.0, 0.0, 4, available=210 * per)
+    assert plan_host_tokens(100, [lo], 2.0, 0.0, 4, available=223 * per) == 200
     with pytest.raises(ServerArgsError) as e:
         plan_host_tokens(100, [lo], 2.0, 1.0, 4, available=10)
     assert e.value.flag == "hicache_size"

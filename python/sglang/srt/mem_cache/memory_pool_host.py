@@ -26,6 +26,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import KVCache, KVPoolLayout
 
 HOST_MEM_LAYOUTS = ("layer_first", "page_first")
+HOST_HEADROOM_BYTES = 10 * 10**9  # upstream leaves ~10 GB of host RAM free (or 10% of it, if less)
 
 
 def available_host_bytes() -> int:
@@ -59,9 +60,11 @@ def plan_host_tokens(device_tokens: int, layouts: list[KVPoolLayout], ratio: flo
         raise ServerArgsError(flag, f"gives a host pool of {tokens} tokens, less than one page ({page_size})")
     need = tokens * per_token
     free = available_host_bytes() if available is None else available
-    if need > free:
+    headroom = min(HOST_HEADROOM_BYTES, free // 10)  # the rest of the server must still run
+    if need > free - headroom:
         raise ServerArgsError(flag, f"host KV pool needs {need / 1e9:.2f} GB ({tokens} tokens x {per_token} B) "
-                              f"but only {free / 1e9:.2f} GB of host memory is available")
+                              f"but only {free / 1e9:.2f} GB of host memory is available, of which "
+                              f"{headroom / 1e9:.2f} GB stays free")
     return tokens
 
 

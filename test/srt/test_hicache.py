@@ -70,6 +70,7 @@ def _assert_clean(engine: Engine) -> None:
     tc = engine.scheduler.tree_cache
     tc.check_invariants()
     assert engine.scheduler.kv_leak_report() is None
+    assert tc.pinned_backup_tokens == 0 and tc.evictable_size() == tc.total_size()
     if tc.backup is not None:
         assert tc.backup.reserved_size() == 0
 

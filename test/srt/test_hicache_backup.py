@@ -143,6 +143,7 @@ class Harness:
         self.settle()
         self.cache.check_invariants()
         assert self.backup.reserved_size() == 0 and self.cache.host_leak_report() is None
+        assert self.cache.pinned_backup_tokens == 0
 
 
 def _tokens(n: int, base: int = 100) -> list[int]:
@@ -240,6 +241,7 @@ def test_pinned_until_ack_then_evicts_to_host():
     h.cache.cache_finished_req(req)
     h.cache.on_batch_done(b)
     assert h.cache.evict(10**6) == 0  # the copies still read these device pages
+    assert h.cache.evictable_size() == 0  # and admission does not count on them
     assert h.host_visible(toks) == 0  # and nothing is visible before the final ack
     gate.set()
     h.settle()

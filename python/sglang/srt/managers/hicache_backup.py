@@ -237,6 +237,7 @@ class AsyncBackup:
                 if torch.equal(child.value, r.device_indices[seg]):
                     child.pending.append(r)
                     r.nodes.append(child)
+                    cache.pinned_backup_tokens += n
             node, rest, pos = child, rest[n:], pos + n
 
     def check_events(self) -> None:
@@ -256,10 +257,15 @@ class AsyncBackup:
             if r.finished:
                 self.live.remove(r)
 
-    def _commit(self, r: BackupReservation) -> None:
-        used = torch.zeros(len(r.host_indices), dtype=torch.bool)
+    def _unpin(self, r: BackupReservation) -> None:
         for node in r.nodes:
             node.pending.remove(r)
+            self.cache.pinned_backup_tokens -= len(node.key)
+
+    def _commit(self, r: BackupReservation) -> None:
+        used = torch.zeros(len(r.host_indices), dtype=torch.bool)
+        self._unpin(r)
+        for node in r.nodes:
             off = _offset(r, node)
             if off is None or node.host_value is not None:
                 continue
@@ -273,8 +279,7 @@ class AsyncBackup:
 
     def _rollback(self, r: BackupReservation) -> None:
         logger.warning("HiCache backup of %d tokens rolled back: %s", r.end - r.start, r.error)
-        for node in r.nodes:
-            node.pending.remove(r)
+        self._unpin(r)
         r.nodes = []
         self.cache.host_allocator.free(r.host_indices)
         r.rollback()

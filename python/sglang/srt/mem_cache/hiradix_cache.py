@@ -106,6 +106,7 @@ class HiRadixCache(RadixCache):
         self.root.lock_ref = 1
         self._evictable = 0
         self._protected = 0
+        self.pinned_backup_tokens = 0  # device tokens a backup in flight still reads (not evictable yet)
 
     def _split(self, child: HiTreeNode, at: int) -> HiTreeNode:
         new = HiTreeNode(child.key[:at], child.value[:at] if child.on_device else None, child.parent)
@@ -206,6 +207,7 @@ class HiRadixCache(RadixCache):
         op = self.controller.backup(node.value, host, self.page_keys(node), on_done=self._on_backup_done)
         op.nodes = [node]
         node.pending.append(op)
+        self.pinned_backup_tokens += len(node.key)
         if wait:
             self.wait_op(op)
         return True
@@ -243,6 +245,7 @@ class HiRadixCache(RadixCache):
     def _on_backup_done(self, op: TransferOp) -> None:
         for n in op.nodes:
             n.pending.remove(op)
+        self.pinned_backup_tokens -= len(op.device_indices)
         if op.error is None:
             return
         logger.error("HiCache backup failed (%s): dropping its host copy", op.error)
@@ -409,6 +412,11 @@ class HiRadixCache(RadixCache):
             self.backup.on_batch_done(batch)
 
     # -- stats ----------------------------------------------------------------------------------------
+    def evictable_size(self) -> int:
+        """Unlocked device tokens minus those pinned by backups in flight (admission must not count
+        on them; a pinned node that is also locked is subtracted twice: conservative, transient)."""
+        return max(self._evictable - self.pinned_backup_tokens, 0)
+
     def total_size(self) -> int:
         """Device tokens the tree owns (the device leak check)."""
         return sum(len(x.key) for x in self._all_nodes() if x is not self.root and x.on_device)

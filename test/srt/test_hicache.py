@@ -207,7 +207,7 @@ def test_failed_backup_leaves_nothing_visible():
 
 @pytest.mark.parametrize("kw,flag", [
     (dict(enable_hierarchical_cache=True, disable_radix_cache=True), "enable_hierarchical_cache"),
-    (dict(enable_hierarchical_cache=True, hicache_io_backend="kernel"), "hicache_io_backend"),
+    (dict(enable_hierarchical_cache=True, hicache_io_backend="kernel", device="cpu"), "hicache_io_backend"),
     (dict(enable_hierarchical_cache=True, hicache_ratio=0.0), "hicache_ratio"),
     (dict(hicache_write_policy="write_sometimes"), "hicache_write_policy"),
     (dict(hicache_mem_layout="tokens_first"), "hicache_mem_layout"),

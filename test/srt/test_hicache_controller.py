@@ -39,13 +39,14 @@ def _wait(ctl, op):
     assert op.done and op.error is None
 
 
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])  # kernel: sgl_kernel.page_copy (interpreted on CPU)
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_round_trip_is_byte_exact_for_target_and_draft(layout):
+def test_round_trip_is_byte_exact_for_target_and_draft(layout, io_backend):
     target, draft = nsa_pool(index_layer_ids=(0, 3)), nsa_pool(layers=1, index_layer_ids=(0,))
     _fill(target, 1)
     _fill(draft, 2)
     pairs = [(target, HostKVPool(target, 32, layout)), (draft, HostKVPool(draft, 32, layout))]
-    ctl = HiCacheController(pairs)
+    ctl = HiCacheController(pairs, io_backend)
     src, host, dst = [2, 5, 7], _slots([6, 1, 3]), [9, 10, 4]
     want = {i: [_pages_of(pool, lid, src) for lid in range(pool.layer_num)] for i, (pool, _) in enumerate(pairs)}
     _wait(ctl, ctl.backup(_slots(src), host))

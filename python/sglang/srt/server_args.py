@@ -484,9 +484,11 @@ def _check_hicache(args: ServerArgs) -> None:
     if args.disable_radix_cache:
         raise ServerArgsError("enable_hierarchical_cache", "needs the radix cache (drop --disable-radix-cache)")
     if args.hicache_io_backend == "kernel":
-        # The Triton page-copy kernel is not written yet: refuse it everywhere rather than fall back silently.
-        raise ServerArgsError("hicache_io_backend", "kernel (a Triton page-copy kernel) is not available in this "
-                              "build; use --hicache-io-backend direct")
+        import torch
+
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise ServerArgsError("hicache_io_backend", "kernel is a GPU page-copy kernel (it reads pinned host "
+                                  "memory from the device); on CPU use --hicache-io-backend direct")
 
 
 _VALIDATORS.append(_check_hicache)

@@ -24,6 +24,9 @@ Interfaces for the other parts of issue 20 (stable; None = off, no cost on the c
   callables after each layer/payload copy (`tensor` = the host rows of those pages).
 - `storage`: an L3 `HiCacheStorage` (`sglang.srt.mem_cache.storage`), None by default; the
   radix tree may consult it on a host miss (not wired yet).
+`--hicache-io-backend`: direct = torch index copies (gather, copy, scatter); kernel = one Triton
+launch per layer and payload (`sgl_kernel.page_copy`) reading / writing the pinned host mirror
+through its mapped pointer (GPU only; on CPU it runs under the Triton interpreter in tests).
 Test hooks: `layer_load_delay_s` (seconds, or a callable(layer_id)) delays each layer's load;
 `backup_fault` (callable(layer_id) -> bool) makes a backup of that layer fail.
 """
@@ -103,8 +106,13 @@ class HiCacheController:
                  cp_rank: int = 0, cp_size: int = 1) -> None:
         """`cp_rank` / `cp_size`: under CP with shared KV the slots given to transfers are logical;
         this rank moves only the pages it owns (cp_page_map), at their physical index in its pool."""
-        if io_backend != "direct":
-            raise ValueError(f"hicache io backend {io_backend!r} is not available (only 'direct')")
+        if io_backend not in ("direct", "kernel"):
+            raise ValueError(f"hicache io backend {io_backend!r} is not one of direct, kernel")
+        self.io_backend = io_backend
+        if io_backend == "kernel":
+            from sgl_kernel.page_copy import copy_pages
+
+            self._copy_pages = copy_pages
         for dev, host in pairs:
             host.check_device_pool(dev)
         self.pairs = pairs
@@ -226,8 +234,11 @@ class HiCacheController:
         dev, host = self.pairs[pair]
         for payload in dev.page_payloads(layer_id):
             dst = host.payload(layer_id, payload.name)
-            # a blocking D2H on the copy thread: it waits for the write stream only, never the forward
-            dst[hp] = payload.buffer[dp.to(payload.buffer.device)].cpu()
+            if self.io_backend == "kernel":  # one launch; the host side through its mapped pointer
+                d = payload.buffer.device
+                self._copy_pages(payload.buffer, dst, dp.to(d), hp.to(d))
+            else:  # a blocking D2H on the copy thread: it waits for the write stream, never the forward
+                dst[hp] = payload.buffer[dp.to(payload.buffer.device)].cpu()
             self._observe("backup", self.on_backup_done, hp, layer_id, payload.name, dst, keys)
 
     def _copy_to_device(self, pair: int, layer_id: int, hp: torch.Tensor, dp: torch.Tensor, keys) -> None:
@@ -238,13 +249,19 @@ class HiCacheController:
         if "index_k" in names:
             bufs["index_k"] = dev.index_k_with_scale_buffer[dev.index_buffer_id(layer_id)]
         for name in names:
-            src = host.payload(layer_id, name)[hp]
-            buf = bufs[name]
-            buf[dp.to(buf.device)] = src.to(buf.device, non_blocking=True)
-            self._observe("load", self.on_load_done, hp, layer_id, name, host.payload(layer_id, name), keys)
+            buf, src = bufs[name], host.payload(layer_id, name)
+            if self.io_backend == "kernel":
+                self._copy_pages(src, buf, hp.to(buf.device), dp.to(buf.device))
+            else:
+                buf[dp.to(buf.device)] = src[hp].to(buf.device, non_blocking=True)
+            self._observe("load", self.on_load_done, hp, layer_id, name, src, keys)
 
     def _observe(self, event: str, hook, hp: torch.Tensor, layer_id: int, name: str, host_buf: torch.Tensor,
                  keys) -> None:
+        if hook is None and self.trace is None:
+            return
+        if self.use_cuda and self.io_backend == "kernel" and event == "backup":
+            torch.cuda.current_stream().synchronize()  # the kernel's host writes must have landed
         if hook is not None:
             hook(hp, layer_id, name, host_buf[hp])
         if self.trace is not None:

@@ -14,12 +14,15 @@ Per prefill request, one `BackupReservation` walks an explicit state machine:
   layer; the callback queues that layer's copy of the current batch's reservations on the
   controller's write thread. Acks come back through a queue and are applied on the scheduler
   thread (`check_events`), so the state machine is single-threaded. No collectives anywhere: under
-  CP each rank would drive its own copies from its own hooks.
-- attach (`on_insert`, the request's insert: a chunk, or its release): the tree nodes that hold exactly the
-  reserved device slots are pinned (`node.pending`), so device eviction cannot free slots a copy
-  still reads; tokens the tree did not take (aborted, retracted, duplicate) are left unattached.
+  CP each rank drives its own copies from its own hooks, and the cache acks them at the same
+  scheduler step on every rank (a local wait, see HiRadixCache.check_events).
+- attach (`on_insert`, the request's insert: a chunk, or its release): the tree nodes that hold
+  exactly the reserved device slots are pinned (`node.pending`), so device eviction cannot free
+  slots a copy still reads; tokens the tree did not take (aborted, retracted, duplicate) are left
+  unattached. A layer that never ended in the forward fails the reservation (`on_batch_done`).
 - commit: once ACKED, attached nodes get their host copy (visible to matches); unattached host
-  slots are freed. rollback: once no copy is in flight, everything is freed and nodes unpinned.
+  slots are freed; a reservation with nothing attached is an insert miss and rolls back.
+  rollback: once no copy is in flight, everything is freed and nodes unpinned.
 Copies are only tied to "the current batch" because the launch is inline (the forward runs inside
 `run_batch`, right after `prepare_batch`); with a threaded launcher the cache backs up at insert.
 """
@@ -30,8 +33,6 @@ import collections
 import enum
 import itertools
 import logging
-from typing import Any
-
 import torch
 
 from sglang.srt.mem_cache.hiradix_cache import page_prefix_hashes

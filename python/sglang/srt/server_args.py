@@ -21,6 +21,9 @@ SCHEDULE_POLICIES = ["fcfs", "lpm"]
 SPECULATIVE_ALGORITHMS = ["EAGLE", "NEXTN"]
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical"]
 LOAD_FORMATS = ["auto", "safetensors", "dummy"]
+HICACHE_WRITE_POLICIES = ["write_through", "write_through_selective", "write_back"]
+HICACHE_IO_BACKENDS = ["direct", "kernel"]
+HICACHE_MEM_LAYOUTS = ["layer_first", "page_first"]
 # Choices that name code live beside that code (import-light modules), so they cannot drift.
 from sglang.srt.layers.attention.attention_registry import (  # noqa: E402
     CP_MODE_ALIASES,
@@ -122,6 +125,21 @@ class ServerArgs:
                                         "By default (overlap) step n+1 is prepared and launched while step n "
                                         "runs: its input ids come from a device-resident token table.",
                                         "scheduling")
+
+    # -- hierarchical cache (HiCache: a host-memory tier under the radix cache; upstream names) ------
+    enable_hierarchical_cache: bool = _f(False, "Keep KV evicted from the device in host memory and load it back "
+                                         "layer by layer when its prefix hits again (needs the radix cache).",
+                                         "hicache")
+    hicache_ratio: float = _f(2.0, "Host KV pool size as a multiple of the device KV pool's tokens.", "hicache")
+    hicache_size: float = _f(0.0, "Host KV pool size in GB (target + draft mirrors); overrides --hicache-ratio "
+                             "when > 0.", "hicache")
+    hicache_write_policy: str = _f("write_through", "When device KV is backed up to host: write_through (on "
+                                   "insert), write_through_selective (on a node's second hit), write_back (on "
+                                   "device eviction).", "hicache", HICACHE_WRITE_POLICIES)
+    hicache_io_backend: str = _f("direct", "Host<->device page copies: direct (torch index copies) or kernel "
+                                 "(a Triton page-copy kernel; GPU only).", "hicache", HICACHE_IO_BACKENDS)
+    hicache_mem_layout: str = _f("layer_first", "Host pool layout: layer_first (one buffer per layer) or "
+                                 "page_first (a page's layers contiguous).", "hicache", HICACHE_MEM_LAYOUTS)
 
     # -- http ---------------------------------------------------------------------------------
     host: str = _f("127.0.0.1", "HTTP host.", "http")
@@ -463,6 +481,7 @@ def _check_speculative(args: ServerArgs) -> None:
 _VALIDATORS.append(_check_speculative)
 
 
+<<<<<<< HEAD
 def _check_hicache_storage(args: ServerArgs) -> None:
     from sglang.srt.mem_cache.storage.registry import StorageConfigError, validate_storage_args
 
@@ -474,6 +493,30 @@ def _check_hicache_storage(args: ServerArgs) -> None:
 
 
 _VALIDATORS.append(_check_hicache_storage)
+=======
+def _check_hicache(args: ServerArgs) -> None:
+    for name in ("hicache_write_policy", "hicache_io_backend", "hicache_mem_layout"):
+        _choice(args, name)
+    for name in ("hicache_ratio", "hicache_size"):
+        v = getattr(args, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ServerArgsError(name, f"must be a finite number >= 0, got {v!r}")
+    if not args.enable_hierarchical_cache:
+        return
+    if args.hicache_ratio <= 0 and args.hicache_size <= 0:
+        raise ServerArgsError("hicache_ratio", "must be > 0 (or give --hicache-size in GB)")
+    if args.disable_radix_cache:
+        raise ServerArgsError("enable_hierarchical_cache", "needs the radix cache (drop --disable-radix-cache)")
+    if args.hicache_io_backend == "kernel":
+        import torch
+
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise ServerArgsError("hicache_io_backend", "kernel is a GPU page-copy kernel (it reads pinned host "
+                                  "memory from the device); on CPU use --hicache-io-backend direct")
+
+
+_VALIDATORS.append(_check_hicache)
+>>>>>>> hicache
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:

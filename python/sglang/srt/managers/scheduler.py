@@ -75,8 +75,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         # The launched step whose results are not processed yet (overlap), as (batch, pending).
         self.in_flight: tuple[ScheduleBatch, Pending] | None = None
         self.context_len = self.model_config.context_len
-        cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
-        self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.page_size)
+        if server_args.enable_hierarchical_cache:
+            from sglang.srt.mem_cache.hiradix_cache import create_hiradix_cache
+
+            self.tree_cache = create_hiradix_cache(server_args, worker, self.req_to_token_pool, self.allocator,
+                                                   self.page_size)
+        else:
+            cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
+            self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.page_size)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -286,6 +292,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 break
             fill = req.fill_ids()
             match = self.tree_cache.match_prefix(fill[: req.max_prefix_len()])
+            if match.host_hit_length:  # HiCache: load the host part back (counts as cached tokens)
+                match = self.tree_cache.init_load_back(match)
             self.tree_cache.inc_lock_ref(match.last_node)
             reserve = int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0) * self.new_token_ratio)
             if not adder.add(req, len(fill) - len(match.device_indices), reserve):
@@ -457,7 +465,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             return f"KV leak: free {free} + cached {cached} != total {self.max_total_num_tokens}"
         if self.req_to_token_pool.available_size() != self.req_to_token_pool.size:
             return "request slot leak"
-        return None
+        return self.tree_cache.host_leak_report()  # HiCache: host free + host cached == host total
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -182,6 +182,14 @@ class CPPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     def _take_pages(self, n: int) -> torch.Tensor | None:
         raise NotImplementedError("CP pages are taken per owner (alloc_extend / alloc_decode)")
 
+    def alloc_owned_pages(self, owners: list[int]) -> torch.Tensor | None:
+        """Slots of fresh pages with the given owners, in order (HiCache load-back: the pages keep
+        the owners they were backed up from); None when an owner has too few free pages."""
+        pages = self._take_owned(owners)
+        if pages is None:
+            return None
+        return (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1).to(self.device)
+
     def free(self, indices: torch.Tensor) -> None:
         if indices is None or indices.numel() == 0:
             return

@@ -66,6 +66,15 @@ class BasePrefixCache(ABC):
     def on_batch_done(self, batch) -> None:
         pass
 
+    def init_load_back(self, match: MatchResult) -> MatchResult:
+        """Make a match's host part device-resident (HiCache queues a layer-wise load); the result's
+        `device_indices` then cover it. Caches without a host tier have no host part."""
+        return match
+
+    def host_leak_report(self) -> str | None:
+        """A host tier's leak check (host free + host cached == host total); None when fine or none."""
+        return None
+
     def evictable_size(self) -> int:
         return 0
 

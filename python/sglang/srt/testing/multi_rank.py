@@ -27,6 +27,7 @@ class Case:
     logprob_start_len: int = -1
     env: dict = field(default_factory=dict)
     warmup: bool = False  # run a short request first, untimed (benchmarks)
+    rounds: list[list[list[int]]] = field(default_factory=list)  # batches run one after another, after followups
 
 
 def free_port() -> int:
@@ -96,12 +97,17 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
     if case.followups:
         submit(case.followups, "f")
         drain()
+    for k, batch in enumerate(case.rounds):
+        submit(batch, f"r{k}_")
+        drain()
     mr = sched.tp_worker.model_runner
     draft = getattr(sched.tp_worker, "draft_runner", None)
     if draft is not None:
         out["_draft"] = {"pool_slots": draft.token_to_kv_pool.size, "debug": debug_records[n_debug_before:],
                          "accept_length": sched.tp_worker.avg_accept_length}
-    out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s, "layer_ends": layer_ends, "comm": dict(getattr(mr, "cp_counter", None).elements)
+    out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s, "cached_tokens": sched.num_cached_tokens,
+                     "cache_stats": dict(getattr(sched.tree_cache, "stats", {})), "layer_ends": layer_ends,
+                     "comm": dict(getattr(mr, "cp_counter", None).elements)
                      if getattr(mr, "cp_counter", None) else {},
                      "pool_slots": mr.token_to_kv_pool.size, "capacity": sched.max_total_num_tokens,
                      # pages each rank stores now (the prefix cache keeps the finished requests' KV)

@@ -1,0 +1,360 @@
+"""HiCacheController: moves KV pages between the device pools and their host mirrors.
+
+Two background threads (and, on CUDA, one stream each) run the queued transfers:
+- writes (device -> host backup): whole-op backups (all layers, after a forward) and per-layer
+  backups enqueued by the pools' layer-end hooks (async backup, `managers/hicache_backup.py`);
+- loads (host -> device), layer-wise: the controller registers a per-pool `LayerTransferCounter`
+  on the target (and draft) pool while a load is in flight, so layer i of the forward waits only
+  for layer i's copy -- MLA KV *and* index K, since every pool getter calls `_wait_layer`.
+  On CUDA the wait is `current_stream.wait_event(...)` after the copy is enqueued (no host sync
+  with the device); on CPU the copy itself is done when the wait returns.
+
+Each transfer covers every (device pool, host pool) pair: the target's and, with EAGLE, the draft's
+(same host slots). A layer moves exactly the payloads its pool names (`page_payloads`): MLA KV on
+every layer, index K only on IndexCache "full" layers (the index-layer map is validated when the
+pair is registered). The scheduler thread acknowledges finished ops with `poll()`; the radix tree
+frees host pages only after the load that reads them is acknowledged.
+
+Interfaces for the other parts of issue 20 (stable; None = off, no cost on the copy path):
+- `trace`: an object with `record(event, fingerprint, layer_id, payload, tensor)` (the KV trace,
+  `sglang.srt.debug.kv_trace`), called per page after a backup ("backup") and a load ("load")
+  with `fingerprint = (host_page, content_key)`; content_key is the op's per-page prefix hash when
+  the caller gave one (`page_keys`), else None. `tensor` is the page's host row of that payload.
+- `on_backup_done(host_pages, layer_id, payload_name, tensor)` / `on_load_done(...)`: optional
+  callables after each layer/payload copy (`tensor` = the host rows of those pages).
+- `storage`: an L3 `HiCacheStorage` (`sglang.srt.mem_cache.storage`), None by default; the
+  radix tree may consult it on a host miss (not wired yet).
+`--hicache-io-backend`: direct = torch index copies (gather, copy, scatter); kernel = one Triton
+launch per layer and payload (`sgl_kernel.page_copy`) reading / writing the pinned host mirror
+through its mapped pointer (GPU only; on CPU it runs under the Triton interpreter in tests).
+Test hooks: `layer_load_delay_s` (seconds, or a callable(layer_id)) delays each layer's load;
+`backup_fault` (callable(layer_id) -> bool) makes a backup of that layer fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from sglang.srt.mem_cache.cp_page_map import page_owner, physical_page
+from sglang.srt.mem_cache.memory_pool import KVCache
+from sglang.srt.mem_cache.memory_pool_host import HostKVPool
+
+logger = logging.getLogger(__name__)
+_op_ids = itertools.count(1)
+
+
+@dataclass
+class TransferOp:
+    """One queued transfer of whole pages (host slots and device slots, page-aligned, same order)."""
+
+    kind: str  # "load" | "backup"
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+    page_keys: list | None = None  # per-page content keys (prefix hashes) for trace / L3
+    id: int = field(default_factory=lambda: next(_op_ids))
+    # per pair: layers copied (load: enqueued on the copy stream), guarded by the controller's lock
+    progress: list[int] = field(default_factory=list)
+    events: list[list[Any]] = field(default_factory=list)  # per pair, per layer: CUDA event or None
+    done: bool = False
+    error: BaseException | None = None
+    on_done: Callable[["TransferOp"], None] | None = None
+    nodes: list = field(default_factory=list)  # radix nodes the op pins (owned by the cache)
+
+
+class _PoolCounter:
+    """The LayerTransferCounter of one pool (pair index): waits for every in-flight load's layer."""
+
+    def __init__(self, controller: "HiCacheController", pair: int) -> None:
+        self.controller, self.pair = controller, pair
+
+    def wait_until(self, layer_id: int) -> None:
+        self.controller.wait_layer(self.pair, layer_id)
+
+
+class _CopyThread:
+    """A daemon thread running callables in order (one per direction, so a backup never delays a load)."""
+
+    def __init__(self, name: str) -> None:
+        self.q: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self.q.put(fn)
+
+    def _loop(self) -> None:
+        while True:
+            fn = self.q.get()
+            if fn is None:
+                return
+            fn()
+
+    def stop(self) -> None:
+        self.q.put(None)
+
+
+class HiCacheController:
+    def __init__(self, pairs: list[tuple[KVCache, HostKVPool]], io_backend: str = "direct",
+                 cp_rank: int = 0, cp_size: int = 1) -> None:
+        """`cp_rank` / `cp_size`: under CP with shared KV the slots given to transfers are logical;
+        this rank moves only the pages it owns (cp_page_map), at their physical index in its pool."""
+        if io_backend not in ("direct", "kernel"):
+            raise ValueError(f"hicache io backend {io_backend!r} is not one of direct, kernel")
+        self.io_backend = io_backend
+        if io_backend == "kernel":
+            from sgl_kernel.page_copy import copy_pages
+
+            self._copy_pages = copy_pages
+        for dev, host in pairs:
+            host.check_device_pool(dev)
+        self.pairs = pairs
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.page_size = pairs[0][1].page_size
+        self.use_cuda = any(torch.device(d.device).type == "cuda" for d, _ in pairs)
+        self._cv = threading.Condition()
+        self._loads: list[TransferOp] = []  # in flight (not yet acknowledged)
+        self._finished: list[TransferOp] = []  # done, waiting for poll()
+        self._counters = [_PoolCounter(self, i) for i in range(len(pairs))]
+        self._counters_on = False
+        self._load_thread = _CopyThread("hicache-load")
+        self._write_thread = _CopyThread("hicache-write")
+        self._load_stream = torch.cuda.Stream() if self.use_cuda else None
+        self._write_stream = torch.cuda.Stream() if self.use_cuda else None
+        self.trace = None
+        self.storage = None
+        self.on_backup_done: Callable | None = None
+        self.on_load_done: Callable | None = None
+        self.layer_load_delay_s: float | Callable[[int], None] | None = None
+        self.backup_fault: Callable[[int], bool] | None = None
+
+    # -- submission (scheduler thread) ----------------------------------------------------------------
+    def _pages(self, slots: torch.Tensor) -> torch.Tensor:
+        if slots.numel() % self.page_size:
+            raise ValueError(f"transfers move whole pages: {slots.numel()} slots, page {self.page_size}")
+        return slots.reshape(-1, self.page_size)[:, 0].to("cpu", torch.int64) // self.page_size
+
+    def _local(self, hp: torch.Tensor, dp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host pages, device pages in this rank's pool) of the logical pages this rank stores."""
+        if self.cp_size == 1:
+            return hp, dp
+        mine = page_owner(dp, self.cp_size) == self.cp_rank
+        return hp[mine], physical_page(dp[mine], self.cp_size)
+
+    def _compute_event(self):
+        """An event on the compute stream now: copies wait for the work queued so far."""
+        if not self.use_cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor, page_keys: list | None = None,
+             on_done: Callable[[TransferOp], None] | None = None) -> TransferOp:
+        """Queue a layer-wise host -> device load; getters of the pools wait per layer until it lands."""
+        op = TransferOp("load", host_indices, device_indices, page_keys, on_done=on_done)
+        op.progress = [0] * len(self.pairs)
+        op.events = [[None] * dev.layer_num for dev, _ in self.pairs]
+        hp, dp = self._local(self._pages(host_indices), self._pages(device_indices))
+        ready = self._compute_event()
+        with self._cv:
+            self._loads.append(op)
+            if not self._counters_on:  # costs the getters a lock only while loads are in flight
+                for (dev, _), c in zip(self.pairs, self._counters):
+                    dev.register_layer_transfer_counter(c)
+                self._counters_on = True
+        self._load_thread.submit(lambda: self._run_load(op, hp, dp, ready))
+        return op
+
+    def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor, page_keys: list | None = None,
+               on_done: Callable[[TransferOp], None] | None = None) -> TransferOp:
+        """Queue a device -> host backup of every layer of every pair (the device KV is complete)."""
+        op = TransferOp("backup", host_indices, device_indices, page_keys, on_done=on_done)
+        op.progress = [0] * len(self.pairs)
+        hp, dp = self._local(self._pages(host_indices), self._pages(device_indices))
+        ready = self._compute_event()
+
+        def run() -> None:
+            try:
+                for i, (dev, host) in enumerate(self.pairs):
+                    for layer in range(dev.layer_num):
+                        self._copy_to_host(i, layer, hp, dp, op.page_keys)
+                self._sync(self._write_stream)
+            except BaseException as e:  # reported to the scheduler thread via poll()
+                op.error = e
+            self._finish(op)
+
+        self._write_thread.submit(lambda: self._on_stream(self._write_stream, ready, run))
+        return op
+
+    def backup_layer(self, pair: int, layer_id: int, device_indices: torch.Tensor, host_indices: torch.Tensor,
+                     page_keys: list | None, done: Callable[[BaseException | None], None]) -> None:
+        """Queue one layer's backup (a layer-end hook); `done(error)` runs on the copy thread."""
+        hp, dp = self._local(self._pages(host_indices), self._pages(device_indices))
+        ready = self._compute_event()
+
+        def run() -> None:
+            err = None
+            try:
+                self._copy_to_host(pair, layer_id, hp, dp, page_keys)
+                self._sync(self._write_stream)
+            except BaseException as e:
+                err = e
+            done(err)
+
+        self._write_thread.submit(lambda: self._on_stream(self._write_stream, ready, run))
+
+    # -- copy threads ---------------------------------------------------------------------------------
+    @staticmethod
+    def _on_stream(stream, ready, fn: Callable[[], None]) -> None:
+        if stream is None:
+            fn()
+            return
+        # A new thread's current device is 0: select the stream's device too (a rank on cuda:1).
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            fn()
+
+    @staticmethod
+    def _sync(stream) -> None:
+        if stream is not None:
+            stream.synchronize()  # the copy thread waits, never the scheduler
+
+    def _copy_to_host(self, pair: int, layer_id: int, hp: torch.Tensor, dp: torch.Tensor, keys) -> None:
+        if self.backup_fault is not None and self.backup_fault(layer_id):
+            raise RuntimeError(f"injected backup fault at layer {layer_id}")
+        dev, host = self.pairs[pair]
+        for payload in dev.page_payloads(layer_id):
+            dst = host.payload(layer_id, payload.name)
+            if self.io_backend == "kernel":  # one launch; the host side through its mapped pointer
+                d = payload.buffer.device
+                self._copy_pages(payload.buffer, dst, dp.to(d), hp.to(d))
+            else:  # a blocking D2H on the copy thread: it waits for the write stream, never the forward
+                dst[hp] = payload.buffer[dp.to(payload.buffer.device)].cpu()
+            self._observe("backup", self.on_backup_done, hp, layer_id, payload.name, dst, keys)
+
+    def _copy_to_device(self, pair: int, layer_id: int, hp: torch.Tensor, dp: torch.Tensor, keys) -> None:
+        dev, host = self.pairs[pair]
+        names = host.payload_names(layer_id)
+        # The raw buffers, not the waiting getters: this copy is what the getters wait for.
+        bufs = {"kv": dev.kv_buffer[layer_id].view(-1, dev.page_size * dev.kv_cache_dim)}
+        if "index_k" in names:
+            bufs["index_k"] = dev.index_k_with_scale_buffer[dev.index_buffer_id(layer_id)]
+        for name in names:
+            buf, src = bufs[name], host.payload(layer_id, name)
+            if self.io_backend == "kernel":
+                self._copy_pages(src, buf, hp.to(buf.device), dp.to(buf.device))
+            else:
+                buf[dp.to(buf.device)] = src[hp].to(buf.device, non_blocking=True)
+            self._observe("load", self.on_load_done, hp, layer_id, name, src, keys)
+
+    def _observe(self, event: str, hook, hp: torch.Tensor, layer_id: int, name: str, host_buf: torch.Tensor,
+                 keys) -> None:
+        if hook is None and self.trace is None:
+            return
+        if self.use_cuda and self.io_backend == "kernel" and event == "backup":
+            torch.cuda.current_stream().synchronize()  # the kernel's host writes must have landed
+        if hook is not None:
+            hook(hp, layer_id, name, host_buf[hp])
+        if self.trace is not None:
+            for j, page in enumerate(hp.tolist()):
+                fp = (page, keys[j] if keys is not None else None)
+                self.trace.record(event, fp, layer_id, name, host_buf[page])
+
+    def _run_load(self, op: TransferOp, hp: torch.Tensor, dp: torch.Tensor, ready) -> None:
+        def run() -> None:
+            try:
+                depth = max(dev.layer_num for dev, _ in self.pairs)
+                for layer in range(depth):
+                    self._delay(layer)
+                    for i, (dev, _) in enumerate(self.pairs):
+                        if layer >= dev.layer_num:
+                            continue
+                        self._copy_to_device(i, layer, hp, dp, op.page_keys)
+                        if self.use_cuda:
+                            ev = torch.cuda.Event()
+                            ev.record(self._load_stream)
+                            op.events[i][layer] = ev
+                        with self._cv:
+                            op.progress[i] = layer + 1
+                            self._cv.notify_all()
+                self._sync(self._load_stream)
+            except BaseException as e:
+                op.error = e
+            self._finish(op)
+
+        self._on_stream(self._load_stream, ready, run)
+
+    def _delay(self, layer_id: int) -> None:
+        d = self.layer_load_delay_s
+        if d is None:
+            return
+        if callable(d):
+            d(layer_id)
+        elif d > 0:
+            time.sleep(d)
+
+    def _finish(self, op: TransferOp) -> None:
+        with self._cv:
+            op.done = True
+            if op.kind == "load" and op.error is not None:
+                # Release waiters: a failed load must not hang the forward (the cache drops the node).
+                op.progress = [dev.layer_num for dev, _ in self.pairs]
+            self._finished.append(op)
+            self._cv.notify_all()
+
+    # -- the pools' per-layer wait (forward thread) ---------------------------------------------------
+    def wait_layer(self, pair: int, layer_id: int) -> None:
+        with self._cv:
+            while True:
+                pending = [op for op in self._loads if op.progress[pair] <= layer_id]
+                if not pending:
+                    break
+                self._cv.wait()
+            events = [op.events[pair][layer_id] for op in self._loads if op.events]
+        for ev in events:
+            if ev is not None:
+                torch.cuda.current_stream().wait_event(ev)
+
+    # -- acknowledgement (scheduler thread) -----------------------------------------------------------
+    def poll(self) -> list[TransferOp]:
+        """Finished ops since the last poll; loads leave the in-flight set here, and the pools'
+        counters are unregistered once no load is in flight."""
+        with self._cv:
+            done, self._finished = self._finished, []
+            for op in done:
+                if op.kind == "load":
+                    self._loads.remove(op)
+            if self._counters_on and not self._loads:
+                for dev, _ in self.pairs:
+                    dev.register_layer_transfer_counter(None)
+                self._counters_on = False
+        for op in done:
+            if op.on_done is not None:
+                op.on_done(op)
+        return done
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Block until both copy threads have drained their queues (tests, flush, shutdown)."""
+        deadline = time.monotonic() + timeout
+        for t in (self._load_thread, self._write_thread):
+            flag = threading.Event()
+            t.submit(flag.set)
+            if not flag.wait(max(deadline - time.monotonic(), 0.0)):
+                raise TimeoutError("HiCache copy thread did not drain")
+
+    def in_flight_loads(self) -> int:
+        with self._cv:
+            return len(self._loads)
+
+    def shutdown(self) -> None:
+        self._load_thread.stop()
+        self._write_thread.stop()

@@ -487,7 +487,7 @@ def _check_hicache_storage(args: ServerArgs) -> None:
 
     try:  # None: --enable-hierarchical-cache is not in this build yet (the host tier lands with it)
         validate_storage_args(args.hicache_storage_backend, args.hicache_storage_backend_extra_config,
-                              args.hicache_storage_prefetch_policy, getattr(args, "enable_hierarchical_cache", None))
+                              args.hicache_storage_prefetch_policy, args.enable_hierarchical_cache)
     except StorageConfigError as e:
         raise ServerArgsError(e.flag, e.reason) from None
 

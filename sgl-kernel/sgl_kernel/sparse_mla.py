@@ -17,6 +17,11 @@ uses one split and writes the output directly. Shapes and grids depend only on (
 splits): graph-capturable. The chunking is fixed by SPLIT_KEYS, not by the batch size, and splits
 past a token's keys contribute exact zeros, so the reduction order of a (token, head) never
 depends on its batch mates: a request's result is the same alone or in any batch.
+
+FP8 KV (a uint8 buffer of DeepSeek's rows, sglang.srt.mem_cache.kv_fp8_format): keys are
+dequantised in-kernel as they are loaded (e4m3 bytes * the block's fp32 scale, cast to q's dtype;
+rope read as bf16), so HBM traffic is the 656-byte row, not a dequantised copy. The torch twin is
+mla_attention_ref over the dequantised buffer (the same values, so the same tolerance).
 """
 
 from __future__ import annotations
@@ -36,13 +41,14 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _mla_fwd_kernel(
-    Q_LAT, Q_ROPE, KV, REQ_TO_TOKEN, REQ_POOL_IDX, TOKEN_TO_REQ, POSITIONS, TOPK, O, LSE,
+    Q_LAT, Q_ROPE, KV, KV_F32, KV_BF16, REQ_TO_TOKEN, REQ_POOL_IDX, TOKEN_TO_REQ, POSITIONS, TOPK, O, LSE,
     sm_scale_log2, num_heads, k_top,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_kv, stride_r2t, stride_topk,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     SPARSE: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr,
+    FP8: tl.constexpr = False, SBLK: tl.constexpr = 128, NSCALE: tl.constexpr = 1,
 ):
     t = tl.program_id(0).to(tl.int64)  # offsets pass 2^31 at long contexts
     hb = tl.program_id(1)
@@ -88,10 +94,18 @@ def _mla_fwd_kernel(
             valid = in_range
             key_pos = offs_n
         slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + key_pos, mask=valid, other=0).to(tl.int64)
-        k_lat = tl.load(KV + slot[:, None] * stride_kv + offs_c[None, :],
-                        mask=valid[:, None] & cmask[None, :], other=0.0)
-        k_rope = tl.load(KV + slot[:, None] * stride_kv + C + offs_r[None, :],
-                         mask=valid[:, None] & rmask[None, :], other=0.0)
+        kmask = valid[:, None] & cmask[None, :]
+        if FP8:  # row = [C e4m3 | NSCALE fp32 | R bf16]; stride_kv in bytes (a multiple of 4)
+            row0 = slot[:, None] * stride_kv
+            raw = tl.load(KV + row0 + offs_c[None, :], mask=kmask, other=0)
+            sc = tl.load(KV_F32 + (row0 + C) // 4 + offs_c[None, :] // SBLK, mask=kmask, other=0.0)
+            k_lat = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(Q_LAT.dtype.element_ty)
+            k_rope = tl.load(KV_BF16 + (row0 + C + 4 * NSCALE) // 2 + offs_r[None, :],
+                             mask=valid[:, None] & rmask[None, :], other=0.0).to(Q_ROPE.dtype.element_ty)
+        else:
+            k_lat = tl.load(KV + slot[:, None] * stride_kv + offs_c[None, :], mask=kmask, other=0.0)
+            k_rope = tl.load(KV + slot[:, None] * stride_kv + C + offs_r[None, :],
+                             mask=valid[:, None] & rmask[None, :], other=0.0)
         qk = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
         qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=PREC)
         qk = tl.where(valid[None, :], qk * sm_scale_log2, float("-inf"))
@@ -166,6 +180,7 @@ def mla_attention(
     num_stages: int = 2,
 ) -> torch.Tensor:
     """q_lat [T, H, C], q_rope [T, H, R], kv_buffer [slots, 1 or none, C + R] -> o_lat [T, H, C].
+    A uint8 kv_buffer holds FP8 rows [C e4m3 | ceil(C/128) fp32 scales | R bf16], dequantised in-kernel.
 
     `topk` [T, K] int32 request-local positions (-1 = none) or None for dense causal attention.
     split_keys > 0 splits each token's keys into chunks of that many key slots (decode), for up to
@@ -176,8 +191,12 @@ def mla_attention(
     t, h, c = q_lat.shape
     r = q_rope.shape[-1]
     kv = kv_buffer.reshape(kv_buffer.shape[0], -1)
-    if kv.shape[1] != c + r or c != kv_lora_rank:
-        raise ValueError(f"kv buffer width {kv.shape[1]} != kv_lora_rank {c} + rope {r}")
+    fp8 = kv.dtype == torch.uint8
+    nscale = triton.cdiv(c, 128)
+    width = c + 4 * nscale + 2 * r if fp8 else c + r
+    if kv.shape[1] != width or c != kv_lora_rank or (fp8 and (c % 4 or r % 2 or not kv.is_contiguous())):
+        raise ValueError(f"kv buffer width {kv.shape[1]} ({kv.dtype}) does not fit kv_lora_rank {c} + rope {r}")
+    kv_f32, kv_bf16 = (kv.view(torch.float32), kv.view(torch.bfloat16)) if fp8 else (kv, kv)
     if out is None:
         out = q_lat.new_empty(t, h, c)
     if t == 0:
@@ -204,12 +223,13 @@ def mla_attention(
         l_strides = (lse.stride(0), lse.stride(1))
     topk_arg = topk if topk is not None else positions
     _mla_fwd_kernel[grid](
-        q_lat, q_rope, kv, req_to_token, req_pool_indices, token_to_req, positions, topk_arg, o_part, lse,
+        q_lat, q_rope, kv, kv_f32, kv_bf16, req_to_token, req_pool_indices, token_to_req, positions, topk_arg, o_part, lse,
         sm_scale * LOG2E, h, topk.shape[1] if topk is not None else 0,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0), req_to_token.stride(0),
         topk_arg.stride(0), *o_strides, *l_strides,
         C=c, R=r, BLOCK_C=next_pow2(c), BLOCK_R=max(16, next_pow2(r)), BLOCK_H=block_h, BLOCK_N=block_n,
         SPLIT_KEYS=split_keys, SPARSE=topk is not None, FINAL=final, PREC=dot_precision(q_lat.dtype),
+        FP8=fp8, SBLK=128 if nscale > 1 else max(c, 1), NSCALE=nscale,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not final:

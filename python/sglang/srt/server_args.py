@@ -32,6 +32,7 @@ from sglang.srt.layers.attention.attention_registry import (  # noqa: E402
 )
 from sglang.srt.mem_cache.cp_page_map import CP_MODES  # noqa: E402
 from sglang.srt.mem_cache.index_k_format import INDEX_K_DTYPE_NAMES  # noqa: E402
+from sglang.srt.mem_cache.kv_fp8_format import KV_CACHE_DTYPES  # noqa: E402
 from sglang.srt.layers.moe.moe_registry import MOE_RUNNER_BACKENDS  # noqa: E402
 from sglang.srt.constrained import GRAMMAR_BACKENDS  # noqa: E402
 from sglang.srt.mem_cache.storage.registry import PREFETCH_POLICIES, STORAGE_BACKEND_NAMES  # noqa: E402
@@ -176,6 +177,12 @@ class ServerArgs:
     nsa_index_k_dtype: str = _f("fp8_e4m3", "Indexer K cache dtype: fp8_e4m3 (+ fp32 scales, like upstream), "
                                 "or an exact bfloat16 / float32 mode (matches the unquantised reference).",
                                 "nsa", INDEX_K_DTYPE_NAMES)
+    kv_cache_dtype: str = _f("auto", "MLA KV cache dtype: auto (the model dtype) or fp8_e4m3 (DeepSeek's FP8 "
+                             "layout: e4m3 latent with one fp32 scale per 128 values + bf16 rope, 656 B/token/layer "
+                             "on V3.2; ~2x the tokens in the same memory).", "nsa", KV_CACHE_DTYPES)
+    enable_deterministic_inference: bool = _f(False, "Batch-invariant kernels for the dense projections, norms and "
+                                              "MoE (fixed reduction order): a prompt gives the same tokens and "
+                                              "logprobs alone or in any batch, at some speed cost.", "nsa")
     nsa_prefill_backend: str = _f("auto", "Attention + indexer kernels for prefill: triton (sgl_kernel) or "
                                   "torch (the reference); auto = triton on CUDA, torch on CPU.", "nsa",
                                   NSA_BACKEND_CHOICES)
@@ -396,7 +403,7 @@ def _check_logging(args: ServerArgs) -> None:
 
 
 def _check_nsa(args: ServerArgs) -> None:
-    for name in ("nsa_index_k_dtype", "nsa_prefill_backend", "nsa_decode_backend", "mla_attn_path",
+    for name in ("nsa_index_k_dtype", "kv_cache_dtype", "nsa_prefill_backend", "nsa_decode_backend", "mla_attn_path",
                  "moe_runner_backend"):
         _choice(args, name)
     _positive(args, "nsa_index_topk_freq")

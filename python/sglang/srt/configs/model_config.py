@@ -215,6 +215,13 @@ def model_config_from_server_args(sa) -> "ModelConfig":
         if sa.nsa_index_k_dtype == "fp8_e4m3" and mc.index_head_dim > 128:
             raise ServerArgsError(triton[0], f"the triton FP8 indexer needs index_head_dim <= 128 (got "
                                   f"{mc.index_head_dim}); use --nsa-index-k-dtype bfloat16 or torch")
+    if getattr(sa, "kv_cache_dtype", "auto") == "fp8_e4m3":
+        from sglang.srt.mem_cache.kv_fp8_format import check_dims
+
+        try:
+            check_dims(mc.kv_lora_rank, mc.qk_rope_head_dim)
+        except ValueError as e:
+            raise ServerArgsError("kv_cache_dtype", str(e)) from None
     if sa.enable_two_batch_overlap:
         if mc.index_layer_schedule is not None and mc.index_layer_schedule.shares:
             raise ServerArgsError(

@@ -3,6 +3,10 @@
 Layouts (per layer):
 - MLA: `kv_buffer[layer]` of [size + page_size, 1, kv_lora_rank + qk_rope_head_dim] in the model
   dtype (latent then rope part, as upstream SGLang stores it); page p is rows [p * P, (p + 1) * P).
+  With `kv_cache_dtype="fp8_e4m3"` the buffer is uint8 [size + page_size, 1, row_bytes] in DeepSeek's
+  FP8 row format (mem_cache/kv_fp8_format.py: e4m3 latent, fp32 per-128 scales, bf16 rope; 656 B
+  for V3.2); `kv_cache_dim` is then the row's byte count (the storage elements per token), so
+  page moves stay raw bytes and `get_mla_kv` dequantises.
 - NSA index K: `index_k_with_scale_buffer[buffer]` of uint8 [num_pages + 1, page_size * bytes/token]:
   a page holds its tokens' K data first (FP8: D bytes/token; exact modes: D * itemsize), then, for
   FP8 only, the tokens' fp32 scales (one per 128 values). With D = 128 and FP8 this is upstream's
@@ -24,6 +28,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
+from sglang.srt.mem_cache import kv_fp8_format
 from sglang.srt.mem_cache.index_k_format import (
     INDEX_K_DTYPES,
     dequantize_fp8_per_block,
@@ -134,13 +139,14 @@ class KVPoolLayout:
     """What a KV pool stores, for the parts that mirror or move it (HiCache, PD, KV trace)."""
 
     layer_num: int
-    kv_cache_dim: int  # kv_lora_rank + qk_rope_head_dim
-    dtype: torch.dtype  # of the MLA KV
+    kv_cache_dim: int  # storage elements of `dtype` per token row: kv_lora_rank + rope, or FP8 row bytes
+    dtype: torch.dtype  # storage dtype of the MLA KV (uint8 for the FP8 format)
     page_size: int
     num_pages: int  # usable pages (page 0, the padding page, not counted)
     kv_row_bytes: int  # MLA KV bytes of one token in one layer
     index_k_bytes_per_page: int  # index K (+ FP8 scales) bytes of one page in one layer; 0 for MLA
     index_layer_ids: tuple[int, ...]  # layers holding index K (IndexCache "full" layers); () for MLA
+    kv_cache_dtype: str = "auto"  # "fp8_e4m3": rows in kv_fp8_format's layout (a mirror must match)
 
     @property
     def kv_bytes_per_page(self) -> int:
@@ -237,19 +243,30 @@ class MLATokenToKVPool(KVCache):
         qk_rope_head_dim: int,
         layer_num: int,
         device: str = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if size % page_size:
             raise ValueError(f"KV pool size {size} must be a multiple of page_size {page_size}")
+        if kv_cache_dtype not in kv_fp8_format.KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} not in {kv_fp8_format.KV_CACHE_DTYPES}")
         self.size, self.page_size, self.dtype, self.device = size, page_size, dtype, device
         self.kv_lora_rank, self.qk_rope_head_dim, self.layer_num = kv_lora_rank, qk_rope_head_dim, layer_num
-        self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_fp8 = kv_cache_dtype == "fp8_e4m3"
+        if self.kv_fp8:
+            kv_fp8_format.check_dims(kv_lora_rank, qk_rope_head_dim)
+            self.store_dtype = torch.uint8
+            self.kv_cache_dim = kv_fp8_format.row_bytes(kv_lora_rank, qk_rope_head_dim)
+        else:
+            self.store_dtype = dtype
+            self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
         self.kv_buffer = [
-            torch.zeros((size + page_size, 1, self.kv_cache_dim), dtype=dtype, device=device)
+            torch.zeros((size + page_size, 1, self.kv_cache_dim), dtype=self.store_dtype, device=device)
             for _ in range(layer_num)
         ]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        """The layer's whole [slots, 1, kv_lora_rank + rope] buffer (what kernels read)."""
+        """The layer's whole [slots, 1, kv_cache_dim] buffer (what kernels read; uint8 FP8 rows if kv_fp8)."""
         self._wait_layer(layer_id)
         return self.kv_buffer[layer_id]
 
@@ -263,12 +280,18 @@ class MLATokenToKVPool(KVCache):
         self, layer_id: int, loc: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
     ) -> None:
         buf = self.kv_buffer[layer_id]
+        if self.kv_fp8:
+            buf[loc, 0] = kv_fp8_format.pack(latent, k_rope).to(buf.device)
+            return
         buf[loc, 0, : self.kv_lora_rank] = latent.to(self.dtype)
         buf[loc, 0, self.kv_lora_rank :] = k_rope.to(self.dtype)
 
     def get_mla_kv(self, layer_id: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(latent [..., kv_lora_rank], k_rope [..., rope]) for slots `loc` of any shape."""
+        """(latent [..., kv_lora_rank], k_rope [..., rope]) for slots `loc` of any shape, in the model
+        dtype (dequantised from the FP8 rows if kv_fp8)."""
         kv = self.get_key_buffer(layer_id)[loc, 0]
+        if self.kv_fp8:
+            return kv_fp8_format.dequantize(kv, self.kv_lora_rank, self.qk_rope_head_dim, self.dtype)
         return kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank :]
 
     # -- page-level moves (HiCache backup/load, PD transfer) --------------------------------------
@@ -276,7 +299,7 @@ class MLATokenToKVPool(KVCache):
         return self.kv_buffer[layer_id].view(-1, self.page_size, self.kv_cache_dim)
 
     def get_kv_pages(self, layer_id: int, pages: torch.Tensor) -> torch.Tensor:
-        """MLA KV of whole pages: [n, page_size, kv_lora_rank + rope]."""
+        """MLA KV of whole pages: [n, page_size, kv_cache_dim] (raw uint8 rows if kv_fp8)."""
         self._wait_layer(layer_id)
         return self._paged(layer_id)[pages]
 
@@ -284,7 +307,9 @@ class MLATokenToKVPool(KVCache):
         expect = (len(pages), self.page_size, self.kv_cache_dim)
         if tuple(data.shape) != expect:
             raise ValueError(f"layer {layer_id}: MLA pages must be {expect}, got {tuple(data.shape)}")
-        self._paged(layer_id)[pages] = data.to(self.dtype).to(self.kv_buffer[layer_id].device)
+        if self.kv_fp8 and data.dtype != torch.uint8:  # raw bytes only: a cast would garble the rows
+            raise ValueError(f"layer {layer_id}: FP8 KV pages must be raw uint8 rows, got {data.dtype}")
+        self._paged(layer_id)[pages] = data.to(self.store_dtype).to(self.kv_buffer[layer_id].device)
 
     def layer_view(self, layer_id: int, kv: torch.Tensor | None = None,
                    index_rows: torch.Tensor | None = None) -> "MLATokenToKVPool":
@@ -303,19 +328,20 @@ class MLATokenToKVPool(KVCache):
         return view
 
     def kv_bytes_per_token(self) -> int:
-        return self.layer_num * self.kv_cache_dim * self.dtype.itemsize
+        return self.layer_num * self.kv_cache_dim * self.store_dtype.itemsize
 
     def get_kv_size_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.kv_buffer)
 
     def layout(self) -> KVPoolLayout:
         return KVPoolLayout(
-            layer_num=self.layer_num, kv_cache_dim=self.kv_cache_dim, dtype=self.dtype,
+            layer_num=self.layer_num, kv_cache_dim=self.kv_cache_dim, dtype=self.store_dtype,
             page_size=self.page_size, num_pages=self.size // self.page_size,
-            kv_row_bytes=self.kv_cache_dim * self.dtype.itemsize, index_k_bytes_per_page=0, index_layer_ids=())
+            kv_row_bytes=self.kv_cache_dim * self.store_dtype.itemsize, index_k_bytes_per_page=0, index_layer_ids=(),
+            kv_cache_dtype=self.kv_cache_dtype)
 
     def page_payloads(self, layer_id: int) -> list[PagePayload]:
-        """MLA KV as [num_pages + 1, page_size * dim] (model dtype)."""
+        """MLA KV as [num_pages + 1, page_size * kv_cache_dim] (model dtype; raw uint8 FP8 rows if kv_fp8)."""
         self._wait_layer(layer_id)
         return [PagePayload("kv", self.kv_buffer[layer_id].view(-1, self.page_size * self.kv_cache_dim))]
 
@@ -335,8 +361,9 @@ class NSATokenToKVPool(MLATokenToKVPool):
         index_k_dtype: str = "fp8_e4m3",
         index_layer_ids: list[int] | None = None,
         device: str = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> None:
-        super().__init__(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device)
+        super().__init__(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layer_num, device, kv_cache_dtype)
         if index_k_dtype not in INDEX_K_DTYPES:
             raise ValueError(f"index_k_dtype {index_k_dtype!r} not in {sorted(INDEX_K_DTYPES)}")
         self.index_head_dim, self.index_k_dtype = index_head_dim, index_k_dtype

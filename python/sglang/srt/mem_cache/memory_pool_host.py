@@ -177,8 +177,9 @@ class HostKVPool:
         """The device pool a transfer targets must have this mirror's layout (index layers included)."""
         lo = pool.layout()
         mine = self.layout_info
-        if (lo.layer_num, lo.kv_cache_dim, lo.dtype, lo.page_size, lo.index_k_bytes_per_page) != \
-                (mine.layer_num, mine.kv_cache_dim, mine.dtype, mine.page_size, mine.index_k_bytes_per_page):
+        if (lo.layer_num, lo.kv_cache_dim, lo.dtype, lo.page_size, lo.index_k_bytes_per_page, lo.kv_cache_dtype) != \
+                (mine.layer_num, mine.kv_cache_dim, mine.dtype, mine.page_size, mine.index_k_bytes_per_page,
+                 mine.kv_cache_dtype):
             raise ValueError(f"host pool layout {mine} does not mirror device pool layout {lo}")
         if hasattr(pool, "check_index_layer_ids"):
             pool.check_index_layer_ids(list(self.index_layer_ids), "host pool")

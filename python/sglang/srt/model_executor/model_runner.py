@@ -8,6 +8,7 @@ the planned `max_total_num_tokens`) and sizes only its own KV pool to match."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import psutil
@@ -38,7 +39,8 @@ def make_kv_pool(model_config: ModelConfig, server_args: ServerArgs, size: int):
     """The device KV pool a model of this config needs, holding `size` tokens."""
     mc = model_config
     common = dict(size=size, page_size=server_args.page_size, dtype=mc.dtype, kv_lora_rank=mc.kv_lora_rank,
-                  qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=mc.num_kv_layers, device=server_args.device)
+                  qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=mc.num_kv_layers, device=server_args.device,
+                  kv_cache_dtype=server_args.kv_cache_dtype)
     if mc.is_dsa:
         return NSATokenToKVPool(index_head_dim=mc.index_head_dim, index_k_dtype=server_args.nsa_index_k_dtype,
                                 index_layer_ids=mc.kv_index_layer_ids, **common)
@@ -143,9 +145,14 @@ class ModelRunner:
         else:
             self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(tokens, self.page_size, self.device)
         kv_gib = self.token_to_kv_pool.get_kv_size_bytes() / 2**30
-        logger.info("KV cache: %d tokens (page size %d, %.3f GiB, %d B/token), max running requests %d",
-                    tokens, self.page_size, kv_gib, self.token_to_kv_pool.kv_bytes_per_token(),
-                    self.max_running_requests)
+        logger.info("KV cache: %d tokens (page size %d, %.3f GiB, %d B/token, kv cache dtype %s), "
+                    "max running requests %d", tokens, self.page_size, kv_gib,
+                    self.token_to_kv_pool.kv_bytes_per_token(), sa.kv_cache_dtype, self.max_running_requests)
+        if sa.kv_cache_dtype != "auto" and not sa.max_total_tokens:
+            auto = kv_bytes_per_token(mc, dataclasses.replace(sa, kv_cache_dtype="auto"))
+            logger.info("FP8 KV cache (%s): %d vs %d B/token in %s: %.2fx the tokens in the same memory",
+                        sa.kv_cache_dtype, self.token_to_kv_pool.kv_bytes_per_token(), auto, mc.dtype,
+                        auto / self.token_to_kv_pool.kv_bytes_per_token())
         sched = mc.index_layer_schedule
         if sched is not None and sched.shares and not mc.is_draft_model:
             pool = self.token_to_kv_pool

@@ -193,3 +193,48 @@ def test_index_scores_skip_short_blocks_and_empty():
     index_scores(*args, blocks.to(DEVICE), out, block_t=4, skip_below=32)
     assert out[:20].isnan().all() and not out[20, :60].isnan().any()
     index_scores(*args, blocks[:0].to(DEVICE), out, block_t=4)
+
+
+# -- FP8 MLA KV (--kv-cache-dtype fp8_e4m3) ----------------------------------------------------------
+@pytest.mark.parametrize("c,r", [(64, 16), (320, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_kv_store_fp8_byte_equal_to_pool_twin(c, r, dtype):
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    g = _gen(11)
+    a = MLATokenToKVPool(64, 4, dtype, c, r, 1, device=DEVICE, kv_cache_dtype="fp8_e4m3")
+    b = MLATokenToKVPool(64, 4, dtype, c, r, 1, device=DEVICE, kv_cache_dtype="fp8_e4m3")
+    loc = (torch.randperm(64, generator=g)[:9] + 4).to(DEVICE)
+    lat = (torch.randn(9, c, generator=g) * torch.logspace(-3, 3, 9)[:, None]).to(dtype).to(DEVICE)
+    rope = torch.randn(9, r, generator=g).to(dtype).to(DEVICE)
+    a.set_mla_kv_buffer(0, loc, lat, rope)
+    store_mla_kv(b.get_kv_store_buffer(0), loc, lat, rope)
+    assert torch.equal(a.kv_buffer[0], b.kv_buffer[0])
+    assert b.kv_buffer[0][:4].eq(0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("split_keys", [0, 32])
+def test_mla_attention_fp8_kv_matches_reference_on_dequantised_cache(dtype, sparse, split_keys):
+    """The kernel dequantises in-kernel; the twin runs on fmt.dequantize's values: same function."""
+    from sglang.srt.mem_cache import kv_fp8_format as fmt
+
+    g = _gen(12)
+    c, r, h = 160, 16, 5  # two scale blocks, the second short
+    lat, rope = torch.randn(400, c, generator=g) * 3, torch.randn(400, r, generator=g)
+    kv_u8 = fmt.pack(lat, rope)[:, None, :]
+    deq_lat, deq_rope = fmt.dequantize(kv_u8, c, r)
+    kv_ref = torch.cat([deq_lat.to(dtype), deq_rope.to(dtype)], -1)
+    seq, ext = [37, 130, 1], [3, 2, 1]
+    r2t, pidx, tok_req, pos = _batch(seq, ext, 400, g)
+    t = sum(ext)
+    q_lat, q_rope = torch.randn(t, h, c, generator=g).to(dtype), torch.randn(t, h, r, generator=g).to(dtype)
+    topk = _topk_lists(pos, 40, g) if sparse else None
+    out = torch.full((t, h, c), float("nan"), dtype=dtype, device=DEVICE)
+    got = mla_attention(*_to(q_lat, q_rope, kv_u8, c, r2t, pidx, tok_req, pos, topk), 0.1, split_keys=split_keys,
+                        max_keys=40 if sparse else 160, out=out)
+    ref = mla_attention_ref(*_to(q_lat, q_rope, kv_ref, c, r2t, pidx, tok_req, pos, topk), 0.1)
+    assert not got.isnan().any()
+    err = (got.float() - ref.float()).abs().max().item()
+    assert err < TOL[dtype] * 3, err  # outputs are ~3x larger (latents scaled by 3)

@@ -98,6 +98,8 @@ def layout_meta(layout: KVPoolLayout) -> dict:
         "dtype": str(layout.dtype).removeprefix("torch."),
         "index_layer_ids": list(layout.index_layer_ids),
         "index_k_bytes_per_page": layout.index_k_bytes_per_page,
+        # only when not "auto", so pages stored before the FP8 format existed still match
+        **({"kv_cache_dtype": layout.kv_cache_dtype} if layout.kv_cache_dtype != "auto" else {}),
     }
 
 

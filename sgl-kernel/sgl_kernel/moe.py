@@ -84,6 +84,12 @@ def get_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, i
     return MoEConfig(cfg.block_m, block_n, _BLOCK_K, cfg.group_m, cfg.num_warps, stages)
 
 
+def batch_invariant_moe_config(dtype: torch.dtype) -> MoEConfig:
+    """The one config of --enable-deterministic-inference: the mid-prefill tiles (block_m 64) for every
+    batch size, so the tensor-core tile shape, hence a row's rounding, cannot change with the batch."""
+    return get_moe_config(64, 1, 1, 0, 0, dtype)
+
+
 def max_sorted_rows(num_assignments: int, num_experts: int, block_m: int) -> int:
     """Upper bound of the padded row count: at most min(E, T*k) experts are non-empty and each
     pads fewer than block_m rows. Depends only on (T*k, E, block_m)."""

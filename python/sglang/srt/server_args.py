@@ -286,6 +286,11 @@ class ServerArgs:
             if reason:
                 raise ServerArgsError(name, reason)
             setattr(out, name, backend)
+        if out.enable_deterministic_inference and device == "cuda":
+            torch_paths = [n for n in ("nsa_prefill_backend", "nsa_decode_backend") if getattr(out, n) == "torch"]
+            if torch_paths:  # its batched einsums go through cuBLAS, whose kernel choice follows the batch
+                raise ServerArgsError("enable_deterministic_inference", f"needs the triton attention backends on "
+                                      f"GPUs (--{torch_paths[0].replace('_', '-')} is torch)")
         out.moe_runner_backend = resolve_moe_runner_backend(out.moe_runner_backend, device)
         reason = backend_unrunnable_reason(out.moe_runner_backend, device)
         if reason:

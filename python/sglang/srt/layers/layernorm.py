@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sglang.srt.layers import batch_invariant
+
 
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add.
@@ -27,9 +29,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return self._norm(x)
+            return batch_invariant.rms_norm(x, self.weight, self.variance_epsilon, self._norm)
         x = x + residual
-        return self._norm(x), x
+        return batch_invariant.rms_norm(x, self.weight, self.variance_epsilon, self._norm), x
 
 
 class LayerNorm(nn.Module):

@@ -8,31 +8,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
+from sglang.srt.layers import batch_invariant
+from sglang.srt.layers.batch_invariant import MIN_INVARIANT_ROWS, rows_invariant  # noqa: F401 (re-exported)
 
 
 def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"shape mismatch for {what}: checkpoint {tuple(loaded.shape)} vs model {tuple(param.shape)}")
-
-
-# CPU BLAS (MKL / oneDNN) runs matrices of fewer rows through other kernels, so a row's rounding
-# would depend on how many rows (requests) share the call; from this many rows on, each row's
-# result is the same whatever the count (tested in test_linear_rows_are_batch_invariant).
-MIN_INVARIANT_ROWS = 16
-
-
-def rows_invariant(fn, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """fn(x) for a row-wise fn (a matmul over x's rows along `dim`), computed so each row's result
-    does not depend on how many rows x has: on CPU, fewer than MIN_INVARIANT_ROWS rows are
-    zero-padded up to it. This is what makes greedy decoding batch-invariant on CPU."""
-    n = x.shape[dim]
-    if x.device.type != "cpu" or n >= MIN_INVARIANT_ROWS or n == 0:
-        return fn(x)
-    pad = [0, 0] * (x.dim() - 1 - dim) + [0, MIN_INVARIANT_ROWS - n]
-    return fn(F.pad(x, pad)).narrow(dim, 0, n)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -56,7 +40,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rows_invariant(lambda a: F.linear(a, self.weight, self.bias), x)
+        return batch_invariant.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -105,7 +89,7 @@ class ColumnParallelLinear(LinearBase):
         default_weight_loader(param, loaded.narrow(0, self.tp_group.rank * shard, shard) if not self.tp_group.is_single else loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = rows_invariant(lambda a: F.linear(a, self.weight, self.bias), x)
+        out = batch_invariant.linear(x, self.weight, self.bias)
         return self.tp_group.all_gather(out, dim=-1) if self.gather_output else out
 
 
@@ -153,7 +137,7 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = rows_invariant(lambda a: F.linear(a, self.weight), x)
+        out = batch_invariant.linear(x, self.weight)
         if self.reduce_results:
             out = self.tp_group.all_reduce(out)
         if self.bias is not None:

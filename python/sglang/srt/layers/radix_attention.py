@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang.srt.layers.linear import rows_invariant
+from sglang.srt.layers import batch_invariant
 
 
 class RadixAttention(nn.Module):
@@ -38,12 +38,11 @@ class RadixAttention(nn.Module):
 
     def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
         """[T, H, nope] -> q_lat [T, H, C]."""
-        return rows_invariant(lambda q: torch.bmm(q, self.w_kc), q_nope.transpose(0, 1), dim=1).transpose(0, 1)
+        return batch_invariant.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)
 
     def project_out(self, o_lat: torch.Tensor) -> torch.Tensor:
         """[T, H, C] -> [T, H, v]."""
-        return rows_invariant(lambda o: torch.bmm(o, self.w_vc.transpose(1, 2)), o_lat.transpose(0, 1),
-                              dim=1).transpose(0, 1)
+        return batch_invariant.bmm(o_lat.transpose(0, 1), self.w_vc.transpose(1, 2)).transpose(0, 1)
 
     def forward(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                 forward_batch, topk_indices: torch.Tensor | None = None, save_kv_cache: bool = True) -> torch.Tensor:

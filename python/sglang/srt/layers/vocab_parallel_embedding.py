@@ -7,7 +7,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
-from sglang.srt.layers.linear import default_weight_loader, rows_invariant
+from sglang.srt.layers import batch_invariant
+from sglang.srt.layers.linear import default_weight_loader
 from sglang.srt.utils.common import cdiv
 
 
@@ -44,7 +45,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-sharded output projection; `logits(hidden)` returns the full vocab on every rank."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = rows_invariant(lambda h: F.linear(h, self.weight), hidden)
+        out = batch_invariant.linear(hidden, self.weight)
         if not self.tp_group.is_single:
             out = self.tp_group.all_gather(out, dim=-1)
         return out[..., : self.num_embeddings]

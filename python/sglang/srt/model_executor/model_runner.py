@@ -17,6 +17,7 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
 from sglang.srt.layers.attention.attention_registry import create_hybrid_backend
+from sglang.srt.layers.batch_invariant import set_deterministic_inference
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.moe.fused_moe import set_moe_runner_backend
 from sglang.srt.layers.sampler import Sampler
@@ -67,6 +68,8 @@ class ModelRunner:
         self.tp_group = SINGLE_GROUP if self.cp_group is not None else tp_group
         self.device = sa.device
         self.page_size = sa.page_size
+        # process-wide kernel choice (layers/batch_invariant.py): set from every runner, on or off
+        set_deterministic_inference(sa.enable_deterministic_inference)
         parallel = {}
         if sa.ep_size > 1:
             parallel = dict(ep_group=tp_group, moe_dispatch=("local" if self.cp_group is None else

@@ -25,6 +25,7 @@ from sglang.srt.configs.model_config import rope_parameters_of
 from sglang.srt.debug import checks as debug_checks
 from sglang.srt.debug import kv_trace
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
+from sglang.srt.layers import batch_invariant
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
 from sglang.srt.layers.attention.nsa.utils import assert_topk_matches_batch
@@ -36,7 +37,6 @@ from sglang.srt.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
     default_weight_loader,
-    rows_invariant,
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.moe.fused_moe import FusedMoE
@@ -77,7 +77,7 @@ class MoEGate(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rows_invariant(lambda a: torch.nn.functional.linear(a, self.weight.float()), x.float())
+        return batch_invariant.linear(x.float(), self.weight.float())
 
 
 class DeepseekV2MoE(nn.Module):

@@ -32,3 +32,22 @@ def test_layers_use_it():
     q, o = torch.randn(20, 4, 16, generator=g), torch.randn(20, 4, 32, generator=g)
     assert torch.equal(attn.absorb_q(q[:1]), attn.absorb_q(q)[:1])
     assert torch.equal(attn.project_out(o[:2]), attn.project_out(o)[:2])
+
+
+def test_rowwise_pads_rows_to_whole_vectors_in_deterministic_mode():
+    """Router scores (8 experts): with --enable-deterministic-inference each row goes through the
+    vector path whatever the row count; off, rowwise is the plain call."""
+    from sglang.srt.layers import batch_invariant
+
+    x = torch.randn(33, 8, generator=torch.Generator().manual_seed(0)) * 4
+    assert torch.equal(batch_invariant.rowwise(torch.sigmoid, x, 0.0), torch.sigmoid(x))
+    batch_invariant.set_deterministic_inference(True)
+    try:
+        full = batch_invariant.rowwise(torch.sigmoid, x, 0.0)
+        soft = batch_invariant.rowwise(lambda t: t.softmax(-1), x, float("-inf"))
+        for m in (1, 2, 3, 17):
+            assert torch.equal(batch_invariant.rowwise(torch.sigmoid, x[:m], 0.0), full[:m]), m
+            assert torch.equal(batch_invariant.rowwise(lambda t: t.softmax(-1), x[:m], float("-inf")), soft[:m])
+        assert (full - torch.sigmoid(x)).abs().max() < 1e-6 and (soft - x.softmax(-1)).abs().max() < 1e-6
+    finally:
+        batch_invariant.set_deterministic_inference(False)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
+from sglang.srt.layers import batch_invariant
 from sglang.srt.layers.moe.moe_registry import get_moe_runner
 from sglang.srt.layers.moe.token_dispatcher import BaseDispatcher, StandardDispatcher
 from sglang.srt.layers.moe.topk import TopKOutput
@@ -100,6 +101,12 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         d = self.dispatcher.dispatch(hidden_states, topk)
+        kw = {}
+        if self.runner_backend == "triton" and batch_invariant.deterministic_inference():
+            # one block config for every batch size (get_moe_config picks block_m by tokens per expert)
+            from sgl_kernel.moe import batch_invariant_moe_config
+
+            kw["config"] = batch_invariant_moe_config(self.w13_weight.dtype)
         out = self.run_experts(d.hidden_states, self.w13_weight, self.w2_weight, d.topk.topk_weights,
-                               d.topk.topk_ids, self.expert_offset)
+                               d.topk.topk_ids, self.expert_offset, **kw)
         return self.dispatcher.combine(out, d)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from sglang.srt.layers.linear import rows_invariant
+from sglang.srt.layers import batch_invariant
 
 
 def fused_experts_native(
@@ -32,8 +32,8 @@ def fused_experts_native(
     for e in hit.tolist():
         tok, slot = torch.where(local_ids == e)
         x = hidden_states[tok]
-        gate_up = rows_invariant(lambda a: F.linear(a, w13[e]), x)
+        gate_up = batch_invariant.linear(x, w13[e])
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = rows_invariant(lambda a: F.linear(a, w2[e]), h) * topk_weights[tok, slot, None].to(x.dtype)
+        y = batch_invariant.linear(h, w2[e]) * topk_weights[tok, slot, None].to(x.dtype)
         out.index_add_(0, tok, y.to(out.dtype))
     return out

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang.srt.layers.batch_invariant import rowwise
+
 
 @dataclass
 class TopKConfig:
@@ -47,7 +49,8 @@ def select_experts(
     chosen experts. Groups are ranked by the sum of their top-2 biased scores (DeepSeek-V3).
     """
     logits = router_logits.float()
-    scores = logits.sigmoid() if config.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+    scores = (rowwise(torch.sigmoid, logits, 0.0) if config.scoring_func == "sigmoid"
+              else rowwise(lambda x: x.softmax(dim=-1), logits, float("-inf")))
     choice = scores if correction_bias is None else scores + correction_bias.float()
     t, e = choice.shape
     g = config.num_expert_group

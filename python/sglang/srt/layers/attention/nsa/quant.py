@@ -23,8 +23,8 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
     if d & (d - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two dim, got {d}")
-    from sglang.srt.layers.linear import rows_invariant
+    from sglang.srt.layers import batch_invariant
 
     rows = x.float().reshape(-1, d)
-    y = rows_invariant(lambda a: a @ _hadamard_matrix(d, str(x.device)), rows).view(x.shape)
+    y = batch_invariant.linear(rows, _hadamard_matrix(d, str(x.device)).t()).view(x.shape)
     return y.to(x.dtype) if x.dtype.is_floating_point and x.dtype != torch.float32 else y

@@ -10,6 +10,7 @@ equivalent formulations:
 the selected latents are gathered per query, as FlashMLA's sparse prefill does) and plain for dense
 extend. Forcing "plain" keeps the dense masked formulation, the reference for the gathered path.
 
+KV is read through `pool.get_mla_kv` (dequantised there for an FP8 cache, --kv-cache-dtype fp8_e4m3).
 Decode and top-k extend are vectorised over tokens (chunked by a memory bound); dense extend runs
 per request on host-known lengths. Nothing reads a device value back.
 """

@@ -6,6 +6,8 @@ Indexer: index-K store (quantise + scale write, one kernel), scores over the pag
 with head weights, ReLU and head sum fused (sgl_kernel.indexer), then a length-aware, tie-stable
 top-k (sgl_kernel.topk). All metadata comes from the ForwardBatch and host lists; decode is
 CUDA-graph capturable (scores width = context length, fixed split-K chunking).
+With `--kv-cache-dtype fp8_e4m3` the pool's buffer is uint8 FP8 rows (mem_cache/kv_fp8_format.py): the
+store kernel quantises, the attention kernel dequantises keys as it loads them; nothing else changes.
 
 Equivalence with the torch twin (NativeSparseAttnBackend) is tested on CPU under Triton's
 interpreter, kernel by kernel and through the whole model against transformers.

@@ -481,11 +481,10 @@ def _check_speculative(args: ServerArgs) -> None:
 _VALIDATORS.append(_check_speculative)
 
 
-<<<<<<< HEAD
 def _check_hicache_storage(args: ServerArgs) -> None:
     from sglang.srt.mem_cache.storage.registry import StorageConfigError, validate_storage_args
 
-    try:  # None: --enable-hierarchical-cache is not in this build yet (the host tier lands with it)
+    try:
         validate_storage_args(args.hicache_storage_backend, args.hicache_storage_backend_extra_config,
                               args.hicache_storage_prefetch_policy, args.enable_hierarchical_cache)
     except StorageConfigError as e:
@@ -493,7 +492,8 @@ def _check_hicache_storage(args: ServerArgs) -> None:
 
 
 _VALIDATORS.append(_check_hicache_storage)
-=======
+
+
 def _check_hicache(args: ServerArgs) -> None:
     for name in ("hicache_write_policy", "hicache_io_backend", "hicache_mem_layout"):
         _choice(args, name)
@@ -516,7 +516,6 @@ def _check_hicache(args: ServerArgs) -> None:
 
 
 _VALIDATORS.append(_check_hicache)
->>>>>>> hicache
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:

@@ -24,6 +24,9 @@ Interfaces for the other parts of issue 20 (stable; None = off, no cost on the c
   callables after each layer/payload copy (`tensor` = the host rows of those pages).
 - `storage`: an L3 `HiCacheStorage` (`sglang.srt.mem_cache.storage`), None by default; the
   radix tree may consult it on a host miss (not wired yet).
+- With `SGLANG_CP_HICACHE_KV_TRACE` >= 1 `trace` is the KV tracer's adapter
+  (`debug.kv_trace.HiCacheTrace`): at backup it hashes the host rows just written, at load the
+  device rows just written (so a corrupted host copy and a broken copy both show).
 `--hicache-io-backend`: direct = torch index copies (gather, copy, scatter); kernel = one Triton
 launch per layer and payload (`sgl_kernel.page_copy`) reading / writing the pinned host mirror
 through its mapped pointer (GPU only; on CPU it runs under the Triton interpreter in tests).
@@ -254,10 +257,12 @@ class HiCacheController:
                 self._copy_pages(src, buf, hp.to(buf.device), dp.to(buf.device))
             else:
                 buf[dp.to(buf.device)] = src[hp].to(buf.device, non_blocking=True)
-            self._observe("load", self.on_load_done, hp, layer_id, name, src, keys)
+            # the trace hashes what landed on the device (a broken copy shows), the hook the host rows
+            rows = buf[dp.to(buf.device)] if self.trace is not None else None
+            self._observe("load", self.on_load_done, hp, layer_id, name, src, keys, rows)
 
     def _observe(self, event: str, hook, hp: torch.Tensor, layer_id: int, name: str, host_buf: torch.Tensor,
-                 keys) -> None:
+                 keys, rows: torch.Tensor | None = None) -> None:
         if hook is None and self.trace is None:
             return
         if self.use_cuda and self.io_backend == "kernel" and event == "backup":
@@ -267,7 +272,7 @@ class HiCacheController:
         if self.trace is not None:
             for j, page in enumerate(hp.tolist()):
                 fp = (page, keys[j] if keys is not None else None)
-                self.trace.record(event, fp, layer_id, name, host_buf[page])
+                self.trace.record(event, fp, layer_id, name, host_buf[page] if rows is None else rows[j])
 
     def _run_load(self, op: TransferOp, hp: torch.Tensor, dp: torch.Tensor, ready) -> None:
         def run() -> None:

@@ -472,6 +472,7 @@ def worker_kv_pools(worker) -> list:
 
 def create_hiradix_cache(server_args, worker, req_to_token_pool, allocator, page_size: int) -> HiRadixCache:
     """HiRadixCache over host mirrors of every pool of `worker`, sized by --hicache-size / --hicache-ratio."""
+    from sglang.srt.debug.kv_trace import hicache_trace
     from sglang.srt.managers.hicache_backup import AsyncBackup
     from sglang.srt.managers.overlap_utils import InlineLauncher
     from sglang.srt.mem_cache.memory_pool_host import HostKVPool, plan_host_tokens
@@ -482,6 +483,7 @@ def create_hiradix_cache(server_args, worker, req_to_token_pool, allocator, page
                               sa.hicache_size, page_size)
     pairs = [(p, HostKVPool(p, tokens, sa.hicache_mem_layout)) for p in pools]
     controller = HiCacheController(pairs, sa.hicache_io_backend, cp.rank if cp else 0, cp.world_size if cp else 1)
+    controller.trace = hicache_trace()  # None unless SGLANG_CP_HICACHE_KV_TRACE >= 1
     cache = HiRadixCache(req_to_token_pool, allocator, page_size, controller, HostPageAllocator(tokens, page_size),
                          sa.hicache_write_policy)
     launcher = getattr(worker, "launcher", None)

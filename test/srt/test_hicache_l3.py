@@ -70,6 +70,8 @@ def test_l3_restart_equals_fresh_prefill(tmp_path, policy):
     assert meta["cached_tokens"] >= 100
     assert eng.scheduler.tree_cache.stats["storage_loaded_tokens"] >= 100
     _check_topk(fresh_topk, topk, 4)
+    # nothing written again: engine 1 stored the same prompt + greedy output (content-addressed)
+    assert eng.scheduler.tree_cache.controller.storage.stats["stored_pages"] == 0
 
 
 def test_l3_restart_page64_indexcache_freq4(tmp_path):
@@ -94,6 +96,8 @@ def test_l3_grown_conversation_hits_its_stored_prefix(tmp_path):
     eng = _engine(**args, hicache_storage_prefetch_policy="timeout")
     res = eng.generate(input_ids=grown, sampling_params=SP)
     assert res["output_ids"] == want and res["meta_info"]["cached_tokens"] == 64
+    _drain(eng)  # the new turn's pages are written; the restored 64 are not written again
+    assert eng.scheduler.tree_cache.controller.storage.stats["stored_pages"] == len(grown) + SP["max_new_tokens"] - 1 - 64
     _assert_clean(eng)
 
 

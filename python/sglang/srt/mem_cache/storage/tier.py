@@ -71,8 +71,12 @@ class StorageTier:
             return
         try:
             for host, backend in zip(self.hosts, self.backends):
-                store_pool_pages(backend, host, host_pages, keys)
-            self.stats["stored_pages"] += len(keys)
+                # keys chain over the prefix: a stored leading run (a prefix restored from L3, or
+                # written by another server) is skipped before its pages are gathered and encoded
+                skip = backend.batch_exists(keys)
+                if skip < len(keys):
+                    store_pool_pages(backend, host, host_pages[skip:], keys[skip:])
+                    self.stats["stored_pages"] += len(keys) - skip
         except StorageLayoutError as e:
             self._disable(e)
 

@@ -308,7 +308,8 @@ class HiCacheTrace:
     def __init__(self, tracer: KVTracer) -> None:
         self.tracer = tracer
 
-    def record(self, event: str, fingerprint, layer_id: int, payload: str, tensor: torch.Tensor) -> None:
+    def record(self, event: str, fingerprint: tuple[int, str | None], layer_id: int, payload: str,
+               tensor: torch.Tensor) -> None:
         page, key = fingerprint
         self.tracer.record_pages(self.EVENTS[(event, payload)], f"{page}:{key}", layer_id, payload,
                                  tensor.reshape(1, -1))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -34,6 +34,9 @@ from sglang.srt.mem_cache.storage.hicache_storage import (
     storage_namespace,
     store_pool_pages,
 )
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +133,7 @@ class StorageTier:
             b.close()
 
 
-def create_storage_tier(server_args, hosts: Sequence[PagedKV], rank: int = 0) -> StorageTier:
+def create_storage_tier(server_args: "ServerArgs", hosts: Sequence[PagedKV], rank: int = 0) -> StorageTier:
     """The tier of `--hicache-storage-backend`: namespace = model + rank, the draft pool its own."""
     from sglang.srt.mem_cache.storage.registry import create_storage_backend, validate_storage_args
 

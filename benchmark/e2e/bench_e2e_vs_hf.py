@@ -1,5 +1,6 @@
-"""End to end on one GPU: our engine vs transformers' eager reference, on real DeepSeek-V3.2 (or
-GLM-5) layer shapes with random weights.
+"""End to end on one GPU: our engine vs transformers, on real DeepSeek-V3.2 (or GLM-5) layer shapes
+with random weights. The headline baseline is transformers with its default attention
+(`hf`, sdpa); `hf_eager` (attn_implementation="eager") is reported beside it.
 
 The config is transformers' own (`DeepseekV32Config()` / `GlmMoeDsaConfig()`, i.e. the real model
 sizes) with N layers, the first dense and the rest MoE (256 experts, 8 active). Each side runs in
@@ -7,8 +8,9 @@ its own process, one after the other, so both fit. Metrics, as transformers' own
 them: generate throughput (batch x new tokens / wall time incl. prefill; prompt 256 tokens, greedy),
 the marginal decode step ((time for 64 new tokens - time for 32) / 32), our engine's median decode
 step, and single-prompt prefill throughput. Medians of --repeats. JSON + a plot + a table.
-Our engine runs twice, with the overlap scheduler (default) and with --disable-overlap-schedule
-("ours_sync"), so the overlap ratio is measured side by side in the same run. The median decode
+Our engine runs with the overlap scheduler (default), with --disable-overlap-schedule ("ours_sync",
+so the overlap ratio is measured side by side in the same run) and, as side "ours_fp8kv", with
+--kv-cache-dtype fp8_e4m3. The median decode
 step is the wall time of one scheduler iteration with no device sync between iterations (a sync
 would serialise the overlap it measures).
 
@@ -61,7 +63,7 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def run_ours(args, path: str, overlap: bool = True) -> dict:
+def run_ours(args, path: str, overlap: bool = True, kv_cache_dtype: str = "auto") -> dict:
     from sglang.srt.entrypoints.engine import Engine
 
     max_bs = max(args.batch_sizes)
@@ -69,7 +71,8 @@ def run_ours(args, path: str, overlap: bool = True) -> dict:
     engine = Engine(model_path=path, tokenizer_path=path, load_format="dummy", dtype=args.dtype, device=args.device,
                     context_length=ctx, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
                     disable_radix_cache=True, chunked_prefill_size=-1, max_prefill_tokens=max(ctx, 16384),
-                    random_seed=0, disable_overlap_schedule=not overlap)
+                    random_seed=0, disable_overlap_schedule=not overlap,
+                    **({} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}))
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -109,13 +112,15 @@ def run_ours(args, path: str, overlap: bool = True) -> dict:
     return _measure(args, gen, median_step, prefill)
 
 
-def run_hf(args, path: str) -> dict:
+def run_hf(args, path: str, attn_implementation: str | None = None) -> dict:
+    """`attn_implementation` None: transformers' default (sdpa where available)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(path)
     dtype = getattr(torch, args.dtype)
     with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager").eval()
+        kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **kw).eval()
     vocab = cfg.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -206,11 +211,12 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-lens", default="32,64")
-    p.add_argument("--prefill-lens", default="1024,4096,32768")
+    p.add_argument("--prefill-lens", default="1024,4096,32768,131072")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--sides", default="ours,ours_sync,hf")
+    p.add_argument("--sides", default="ours,ours_sync,hf,hf_eager",
+                   help="of ours, ours_sync, ours_fp8kv, hf (default attention), hf_eager")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not speed)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--side", help=argparse.SUPPRESS)
@@ -224,7 +230,11 @@ def main() -> None:
     args.gen_lens = [int(x) for x in str(args.gen_lens).split(",")]
     args.prefill_lens = [int(x) for x in str(args.prefill_lens).split(",")]
     if args.side:  # child: one side, JSON on stdout
-        res = run_hf(args, args.path) if args.side == "hf" else run_ours(args, args.path, args.side == "ours")
+        if args.side in ("hf", "hf_eager"):
+            res = run_hf(args, args.path, "eager" if args.side == "hf_eager" else None)
+        else:
+            res = run_ours(args, args.path, args.side != "ours_sync",
+                           "fp8_e4m3" if args.side == "ours_fp8kv" else "auto")
         print("RESULT " + json.dumps(res))
         return
     path = make_config_dir(args.shape, args.layers, args.smoke)
@@ -250,6 +260,17 @@ def main() -> None:
             hf = result["hf"]["prefill"].get(n)
             if row and hf:
                 ratios[f"prefill_{n}"] = row["tok_s"] / hf["tok_s"]
+    for base in ("hf_eager",):  # the second baseline column
+        if base in result and "ours" in result:
+            for bs, row in result["ours"]["generate"].items():
+                ratios[f"generate_bs{bs}_vs_{base}"] = row["tok_s"] / result[base]["generate"][bs]["tok_s"]
+            for n, row in result["ours"]["prefill"].items():
+                other = result[base]["prefill"].get(n)
+                if row and other:
+                    ratios[f"prefill_{n}_vs_{base}"] = row["tok_s"] / other["tok_s"]
+    if "ours_fp8kv" in result and "ours" in result:
+        for bs, row in result["ours_fp8kv"]["generate"].items():
+            ratios[f"fp8kv_generate_bs{bs}"] = row["tok_s"] / result["ours"]["generate"][bs]["tok_s"]
     if "ours_sync" in result and "ours" in result:
         for bs, row in result["ours"]["generate"].items():
             sync = result["ours_sync"]["generate"][bs]
@@ -262,11 +283,14 @@ def main() -> None:
         json.dump(result, f, indent=2)
     if "hf" in result:
         plot(result, stem + ".png")
-    print(f"{'metric':28s} {'ours':>12s} {'transformers':>14s} {'ratio':>7s}")
+    nan = float("nan")
+    print(f"{'metric':28s} {'ours':>12s} {'transformers':>14s} {'ratio':>7s} {'hf eager':>10s} {'ratio':>7s}")
     for bs, row in result["ours"]["generate"].items():
         hf = result.get("hf", {}).get("generate", {}).get(bs, {})
-        print(f"{'generate bs ' + str(bs) + ' tok/s':28s} {row['tok_s']:12.1f} {hf.get('tok_s', float('nan')):14.1f} "
-              f"{ratios.get(f'generate_bs{bs}', float('nan')):7.2f}")
+        eg = result.get("hf_eager", {}).get("generate", {}).get(bs, {})
+        print(f"{'generate bs ' + str(bs) + ' tok/s':28s} {row['tok_s']:12.1f} {hf.get('tok_s', nan):14.1f} "
+              f"{ratios.get(f'generate_bs{bs}', nan):7.2f} {eg.get('tok_s', nan):10.1f} "
+              f"{ratios.get(f'generate_bs{bs}_vs_hf_eager', nan):7.2f}")
         print(f"{'  marginal step ms':28s} {row['marginal_step_ms']:12.2f} {hf.get('marginal_step_ms', float('nan')):14.2f}"
               f"   median step {row.get('median_step_ms', float('nan')):.2f} ms")
         if "ours_sync" in result:
@@ -276,8 +300,10 @@ def main() -> None:
                   f"{ratios[f'overlap_generate_bs{bs}']:.2f}x generate")
     for n, row in result["ours"]["prefill"].items():
         hf = (result.get("hf", {}).get("prefill", {}) or {}).get(n) or {}
-        print(f"{'prefill ' + str(n) + ' tok/s':28s} {row['tok_s']:12.0f} {hf.get('tok_s', float('nan')):14.0f} "
-              f"{ratios.get(f'prefill_{n}', float('nan')):7.2f}")
+        eg = (result.get("hf_eager", {}).get("prefill", {}) or {}).get(n) or {}
+        print(f"{'prefill ' + str(n) + ' tok/s':28s} {(row or {}).get('tok_s', nan):12.0f} {hf.get('tok_s', nan):14.0f} "
+              f"{ratios.get(f'prefill_{n}', nan):7.2f} {eg.get('tok_s', nan):10.0f} "
+              f"{ratios.get(f'prefill_{n}_vs_hf_eager', nan):7.2f}")
 
 
 if __name__ == "__main__":

@@ -235,7 +235,7 @@ def test_eagle_draft_kv_is_backed_up_and_restored():
 
     def run(eng: Engine) -> tuple[list[int], list[list[int]], float]:
         drafts = []
-        eng.scheduler.tp_worker.draft_override = lambda reqs, d: (drafts.append(d.tolist()), d)[1]
+        eng.scheduler.tp_worker.draft_override = lambda reqs, d, kv_lens: (drafts.append(d.tolist()), d)[1]
         out = eng.generate(input_ids=prompt, sampling_params=sp)
         eng.scheduler.tp_worker.draft_override = None
         return out["output_ids"], drafts, out["meta_info"]["spec_accept_length"]

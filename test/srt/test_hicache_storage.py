@@ -282,15 +282,17 @@ def test_registry_and_flag_validation(tmp_path):
 def test_server_args_flags():
     from sglang.srt.server_args import ServerArgs, ServerArgsError, prepare_server_args
 
-    a = prepare_server_args(["--model-path", "builtin:x", "--hicache-storage-backend", "file",
+    a = prepare_server_args(["--model-path", "builtin:x", "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
                              "--hicache-storage-backend-extra-config", '{"file_path": "/tmp/x"}',
                              "--hicache-storage-prefetch-policy", "timeout"])
     assert (a.hicache_storage_backend, a.hicache_storage_prefetch_policy) == ("file", "timeout")
     a.validate()
+    with pytest.raises(ServerArgsError, match="needs --enable-hierarchical-cache"):  # L3 sits under the host tier
+        ServerArgs.from_kwargs(model_path="builtin:x", hicache_storage_backend="file").validate()
     with pytest.raises(SystemExit):  # argparse choices come from the registry
         prepare_server_args(["--model-path", "builtin:x", "--hicache-storage-backend", "nfs"])
     with pytest.raises(ServerArgsError, match="hicache-storage-backend-extra-config"):
-        ServerArgs.from_kwargs(model_path="builtin:x", hicache_storage_backend="file",
+        ServerArgs.from_kwargs(model_path="builtin:x", enable_hierarchical_cache=True, hicache_storage_backend="file",
                                hicache_storage_backend_extra_config='{"bogus": 1}').validate()
 
 

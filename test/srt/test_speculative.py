@@ -121,6 +121,11 @@ def test_overlap_launches_the_next_verify_before_the_previous_is_processed(engin
         _whole(spec)
         _whole(sync)
     assert sum(overlapped) > len(overlapped) // 2, overlapped
+    # radix hits: the same prompts again, without a flush, reuse their cached prefixes
+    outs = spec.generate(input_ids=prompts, sampling_params=params, **gen)
+    assert [_key(o) for o in outs] == [_key(o) for o in ref]
+    assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
+    _whole(spec)
 
 
 def test_stop_strings_eos_seeds_grammar_and_indexcache():
@@ -151,16 +156,18 @@ def _row_keys(fb) -> list[tuple[int, int]]:
     return list(zip(fb.req_pool_indices[fb.token_to_req].tolist(), fb.positions.tolist()))
 
 
-@pytest.mark.parametrize("model,shares", [("builtin:tiny-glm-moe-dsa-mtp", True), (MODEL, False)])
-def test_draft_extends_reuse_the_targets_topk_when_sharing(model, shares):
+@pytest.mark.parametrize("model,shares,kw", [("builtin:tiny-glm-moe-dsa-mtp", True, {}),
+                                             (MODEL, True, {"nsa_index_topk_freq": 4}), (MODEL, False, {})],
+                         ids=["glm5-config-sharing", "v32-freq4", "v32-no-sharing"])
+def test_draft_extends_reuse_the_targets_topk_when_sharing(model, shares, kw):
     """IndexCache through the worker: with sharing on, every draft extend (after a prefill, after a
     verify) is handed the target's last-layer top-k of exactly its rows -- the rows the target
     computed at those positions -- and the draft decode steps score for themselves; sharing off,
     nothing is handed. Greedy output equals plain decoding either way."""
     prompts = [[(11 * i + 7 * j) % 900 + 5 for j in range(40 + 9 * i)] for i in range(3)]  # > index_topk
     params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
-    ref = _engine(False, model).generate(input_ids=prompts, sampling_params=params)
-    spec = _engine(True, model)
+    ref = _engine(False, model, **kw).generate(input_ids=prompts, sampling_params=params)
+    spec = _engine(True, model, **kw)
     worker = spec.scheduler.tp_worker
     targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
     worker.draft_override = forced_drafts(targets, "mixed")

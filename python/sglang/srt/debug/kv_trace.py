@@ -293,3 +293,29 @@ def install_model_tracer(model) -> KVTracer | None:
             layer.kv_tracer = tracer
             layer.self_attn.kv_tracer = tracer
     return tracer
+
+
+class HiCacheTrace:
+    """The HiCache controller's `trace` (levels 1-2): its per-page `record(event, fingerprint, layer,
+    payload, tensor)` with event "backup" | "load" becomes a page record -- "backup" / "reload" for
+    main KV, "index_backup" / "index_load" for index K (dropped below level 2 by the tracer).
+    Fingerprint (host page, prefix-hash key) -> "hostpage:key", so a slot reused for other tokens
+    is another fingerprint."""
+
+    EVENTS = {("backup", "kv"): "backup", ("load", "kv"): "reload",
+              ("backup", "index_k"): "index_backup", ("load", "index_k"): "index_load"}
+
+    def __init__(self, tracer: KVTracer) -> None:
+        self.tracer = tracer
+
+    def record(self, event: str, fingerprint: tuple[int, str | None], layer_id: int, payload: str,
+               tensor: torch.Tensor) -> None:
+        page, key = fingerprint
+        self.tracer.record_pages(self.EVENTS[(event, payload)], f"{page}:{key}", layer_id, payload,
+                                 tensor.reshape(1, -1))
+
+
+def hicache_trace() -> HiCacheTrace | None:
+    """The controller's trace object, or None when `SGLANG_CP_HICACHE_KV_TRACE` is off."""
+    tracer = get_kv_tracer()
+    return None if tracer is None else HiCacheTrace(tracer)

@@ -22,8 +22,12 @@ Interfaces for the other parts of issue 20 (stable; None = off, no cost on the c
   the caller gave one (`page_keys`), else None. `tensor` is the page's host row of that payload.
 - `on_backup_done(host_pages, layer_id, payload_name, tensor)` / `on_load_done(...)`: optional
   callables after each layer/payload copy (`tensor` = the host rows of those pages).
-- `storage`: an L3 `HiCacheStorage` (`sglang.srt.mem_cache.storage`), None by default; the
-  radix tree may consult it on a host miss (not wired yet).
+- `storage`: the L3 tier (`sglang.srt.mem_cache.storage.tier.StorageTier`), None by default.
+  `store()` queues an L3 write of committed host pages on the write thread (op kind "store"); the
+  radix tree reads the tier on a host miss at admission (HiRadixCache.prefetch_from_storage).
+- With `SGLANG_CP_HICACHE_KV_TRACE` >= 1 `trace` is the KV tracer's adapter
+  (`debug.kv_trace.HiCacheTrace`): at backup it hashes the host rows just written, at load the
+  device rows just written (so a corrupted host copy and a broken copy both show).
 `--hicache-io-backend`: direct = torch index copies (gather, copy, scatter); kernel = one Triton
 launch per layer and payload (`sgl_kernel.page_copy`) reading / writing the pinned host mirror
 through its mapped pointer (GPU only; on CPU it runs under the Triton interpreter in tests).
@@ -55,7 +59,7 @@ _op_ids = itertools.count(1)
 class TransferOp:
     """One queued transfer of whole pages (host slots and device slots, page-aligned, same order)."""
 
-    kind: str  # "load" | "backup"
+    kind: str  # "load" | "backup" | "store" (host -> L3)
     host_indices: torch.Tensor
     device_indices: torch.Tensor
     page_keys: list | None = None  # per-page content keys (prefix hashes) for trace / L3
@@ -211,6 +215,23 @@ class HiCacheController:
 
         self._write_thread.submit(lambda: self._on_stream(self._write_stream, ready, run))
 
+    def store(self, host_indices: torch.Tensor, page_keys: list[str],
+              on_done: Callable[[TransferOp], None] | None = None) -> TransferOp:
+        """Queue an L3 write of committed host pages (`storage`) on the write thread, after the
+        backups queued before it; the caller keeps the host pages pinned until the op is acked."""
+        op = TransferOp("store", host_indices, torch.empty(0, dtype=torch.int64), page_keys, on_done=on_done)
+        pages = self._pages(host_indices)
+
+        def run() -> None:
+            try:
+                self.storage.store(pages, page_keys)
+            except BaseException as e:  # a backend failure loses L3 copies, never host or device KV
+                op.error = e
+            self._finish(op)
+
+        self._write_thread.submit(run)
+        return op
+
     # -- copy threads ---------------------------------------------------------------------------------
     @staticmethod
     def _on_stream(stream, ready, fn: Callable[[], None]) -> None:
@@ -254,10 +275,12 @@ class HiCacheController:
                 self._copy_pages(src, buf, hp.to(buf.device), dp.to(buf.device))
             else:
                 buf[dp.to(buf.device)] = src[hp].to(buf.device, non_blocking=True)
-            self._observe("load", self.on_load_done, hp, layer_id, name, src, keys)
+            # the trace hashes what landed on the device (a broken copy shows), the hook the host rows
+            rows = buf[dp.to(buf.device)] if self.trace is not None else None
+            self._observe("load", self.on_load_done, hp, layer_id, name, src, keys, rows)
 
     def _observe(self, event: str, hook, hp: torch.Tensor, layer_id: int, name: str, host_buf: torch.Tensor,
-                 keys) -> None:
+                 keys, rows: torch.Tensor | None = None) -> None:
         if hook is None and self.trace is None:
             return
         if self.use_cuda and self.io_backend == "kernel" and event == "backup":
@@ -267,7 +290,7 @@ class HiCacheController:
         if self.trace is not None:
             for j, page in enumerate(hp.tolist()):
                 fp = (page, keys[j] if keys is not None else None)
-                self.trace.record(event, fp, layer_id, name, host_buf[page])
+                self.trace.record(event, fp, layer_id, name, host_buf[page] if rows is None else rows[j])
 
     def _run_load(self, op: TransferOp, hp: torch.Tensor, dp: torch.Tensor, ready) -> None:
         def run() -> None:

@@ -266,13 +266,16 @@ class AsyncBackup:
     def _commit(self, r: BackupReservation) -> None:
         used = torch.zeros(len(r.host_indices), dtype=torch.bool)
         self._unpin(r)
+        committed = []
         for node in r.nodes:
             off = _offset(r, node)
             if off is None or node.host_value is not None:
                 continue
             node.host_value = r.host_indices[off: off + len(node.key)]
             used[off: off + len(node.key)] = True
+            committed.append(node)
         self.cache.host_allocator.free(r.host_indices[~used])
+        self.cache.store_to_storage(committed)  # L3 (if any) behind the host copy
         r.nodes = []
         r.commit()
         self.stats["committed"] += 1

@@ -292,6 +292,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
                 break
             fill = req.fill_ids()
             match = self.tree_cache.match_prefix(fill[: req.max_prefix_len()])
+            if self.tree_cache.has_storage:  # HiCache L3: pages past a device + host miss, read to host
+                match = self.tree_cache.prefetch_from_storage(fill[: req.max_prefix_len()], match)
             if match.host_hit_length:  # HiCache: load the host part back (counts as cached tokens)
                 match = self.tree_cache.init_load_back(match)
             self.tree_cache.inc_lock_ref(match.last_node)

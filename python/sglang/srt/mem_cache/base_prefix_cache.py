@@ -66,6 +66,8 @@ class BasePrefixCache(ABC):
     def on_batch_done(self, batch) -> None:
         pass
 
+    has_storage = False  # an L3 tier under the host tier (HiRadixCache.prefetch_from_storage)
+
     def init_load_back(self, match: MatchResult) -> MatchResult:
         """Make a match's host part device-resident (HiCache queues a layer-wise load); the result's
         `device_indices` then cover it. Caches without a host tier have no host part."""

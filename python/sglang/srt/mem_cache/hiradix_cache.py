@@ -19,14 +19,19 @@ here only after the final target + draft ack.
 load (the forward waits per layer in the pool getters) and returns the match as if all were on the
 device. Host pages stay on the node: they are released only by a later host eviction, which never
 touches a node whose load is not yet acknowledged (check_events).
+
+L3 (`--hicache-storage-backend`, `controller.storage`, mem_cache/storage/tier.py): a node whose
+host copy is committed is written to storage behind it, keyed by its pages' prefix hashes, pinned
+on the host until the write is acked (a "store" op: it blocks host eviction, not device eviction).
+At admission, a key past the device + host match is looked up in storage
+(`prefetch_from_storage`): the hit pages are read into fresh host pages and hung under the match
+as one host-only node, which the normal load-back then brings to the device.
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import heapq
-import struct
 import logging
 import time
 
@@ -37,6 +42,7 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 from sglang.srt.mem_cache.cp_page_map import page_owner
 from sglang.srt.mem_cache.memory_pool_host import HostPageAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
+from sglang.srt.mem_cache.storage.hicache_storage import page_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,11 @@ class _Pin:
     def release(self) -> None:
         for x in self.nodes:  # includes halves split off meanwhile (_split extends self.nodes)
             x.pending.remove(self)
+
+
+def _device_busy(x: HiTreeNode) -> bool:
+    """A transfer reads or writes the node's device slots (an L3 write reads only its host pages)."""
+    return any(op.kind != "store" for op in x.pending)
 
 
 class HiRadixCache(RadixCache):
@@ -247,11 +258,75 @@ class HiRadixCache(RadixCache):
             n.pending.remove(op)
         self.pinned_backup_tokens -= len(op.device_indices)
         if op.error is None:
+            self.store_to_storage(op.nodes)
             return
         logger.error("HiCache backup failed (%s): dropping its host copy", op.error)
         self.host_allocator.free(op.host_indices)
         for n in op.nodes:
             n.host_value = None
+
+    # -- L3 storage (controller.storage; None = off) ------------------------------------------------
+    @property
+    def has_storage(self) -> bool:
+        return self.controller.storage is not None
+
+    def store_to_storage(self, nodes: list[HiTreeNode]) -> None:
+        """Write nodes whose host copy was just committed to L3, behind the backups on the write
+        thread; each stays pinned on the host (a "store" op in `pending`) until that write is acked."""
+        tier = self.controller.storage
+        if tier is None or not tier.enabled:
+            return
+        for n in nodes:
+            if n.host_value is None:
+                continue
+            op = self.controller.store(n.host_value, self.page_keys(n), on_done=self._on_store_done)
+            op.nodes = [n]
+            n.pending.append(op)
+
+    def _on_store_done(self, op: TransferOp) -> None:
+        for n in op.nodes:
+            n.pending.remove(op)
+        if op.error is not None:
+            logger.warning("HiCache storage write of %d tokens failed: %s", len(op.host_indices), op.error)
+
+    def prefetch_from_storage(self, key: list[int], match: MatchResult) -> MatchResult:
+        """On a miss in device and host memory, read the pages L3 holds past `match` into fresh host
+        pages and hang them under the match as a host-only node; the result is the new match (its
+        host part then loads back layer by layer like any host hit). Synchronous (storage/tier.py)."""
+        tier = self.controller.storage
+        ps = self.page_size
+        key = list(key[: self._align(len(key))])
+        have = len(match.device_indices) + match.host_hit_length
+        least = max(LOAD_BACK_THRESHOLD, ps)
+        if not tier.enabled or len(key) - have < least:
+            return match
+        keys = page_hashes(key, ps)[have // ps:]
+        n = tier.query(keys)
+        if n * ps < least:
+            return match
+        parent = match.last_host_node if match.host_hit_length else match.last_node
+        path, x = [], parent
+        while x is not self.root:
+            path.append(x)
+            x = x.parent
+        pin = _Pin(path)  # the host eviction making room must not take the match itself
+        try:
+            host = self._alloc_host(n * ps)
+        finally:
+            pin.release()
+        if host is None:
+            return match
+        got = tier.load(host.reshape(-1, ps)[:, 0] // ps, keys[:n]) * ps
+        if got < least:
+            self.host_allocator.free(host)
+            return match
+        if got < len(host):
+            self.host_allocator.free(host[got:])
+        node = HiTreeNode(key[have: have + got], None, parent)
+        node.host_value, node.last_access_time = host[:got], time.monotonic()
+        parent.children[self._child_key(node.key)] = node
+        self.stats["storage_loaded_tokens"] += got
+        return self.match_prefix(key)
 
     def _on_load_done(self, op: TransferOp) -> None:
         for n in op.nodes:
@@ -316,7 +391,7 @@ class HiRadixCache(RadixCache):
     # -- eviction -----------------------------------------------------------------------------------
     def _device_leaves(self) -> list[HiTreeNode]:
         return [x for x in self._all_nodes() if x is not self.root and x.on_device and x.lock_ref == 0
-                and not x.pending and not any(c.on_device for c in x.children.values())]
+                and not _device_busy(x) and not any(c.on_device for c in x.children.values())]
 
     def evict(self, num_tokens: int) -> int:
         """Free >= num_tokens of unlocked device KV, LRU leaves first: backed-up nodes become
@@ -337,7 +412,7 @@ class HiRadixCache(RadixCache):
             else:
                 self._delete_subtree(leaf)
             parent = leaf.parent
-            if (parent is not self.root and parent.on_device and parent.lock_ref == 0 and not parent.pending
+            if (parent is not self.root and parent.on_device and parent.lock_ref == 0 and not _device_busy(parent)
                     and not any(c.on_device for c in parent.children.values())):
                 heapq.heappush(leaves, parent)
         return freed
@@ -449,16 +524,9 @@ class HiRadixCache(RadixCache):
 
 
 def page_prefix_hashes(token_ids: list[int], page_size: int, start: int = 0) -> list[str]:
-    """Content keys of the pages of `token_ids[start:]` (start page-aligned): page j's key hashes
-    every token up to the end of page j, so equal keys mean equal KV (the KV trace's fingerprint
-    and an L3 store's key)."""
-    h = hashlib.sha256()
-    out = []
-    for i in range(0, len(token_ids) - len(token_ids) % page_size, page_size):
-        h.update(struct.pack(f"<{page_size}q", *token_ids[i: i + page_size]))
-        if i >= start:
-            out.append(h.copy().hexdigest()[:32])
-    return out
+    """Content keys of the pages of `token_ids[start:]` (start page-aligned): the L3 store's keys
+    (`storage.page_hashes`, chained over the whole prefix), also the KV trace's fingerprints."""
+    return page_hashes(token_ids, page_size)[start // page_size:]
 
 
 def worker_kv_pools(worker) -> list:
@@ -472,6 +540,7 @@ def worker_kv_pools(worker) -> list:
 
 def create_hiradix_cache(server_args, worker, req_to_token_pool, allocator, page_size: int) -> HiRadixCache:
     """HiRadixCache over host mirrors of every pool of `worker`, sized by --hicache-size / --hicache-ratio."""
+    from sglang.srt.debug.kv_trace import hicache_trace
     from sglang.srt.managers.hicache_backup import AsyncBackup
     from sglang.srt.managers.overlap_utils import InlineLauncher
     from sglang.srt.mem_cache.memory_pool_host import HostKVPool, plan_host_tokens
@@ -482,6 +551,14 @@ def create_hiradix_cache(server_args, worker, req_to_token_pool, allocator, page
                               sa.hicache_size, page_size)
     pairs = [(p, HostKVPool(p, tokens, sa.hicache_mem_layout)) for p in pools]
     controller = HiCacheController(pairs, sa.hicache_io_backend, cp.rank if cp else 0, cp.world_size if cp else 1)
+    controller.trace = hicache_trace()  # None unless SGLANG_CP_HICACHE_KV_TRACE >= 1
+    if sa.hicache_storage_backend is not None:
+        if cp is not None and cp.world_size > 1:  # each rank's host holds only the pages it owns
+            logger.error("HiCache storage tier is not supported with context parallel yet: disabled")
+        else:
+            from sglang.srt.mem_cache.storage.tier import create_storage_tier
+
+            controller.storage = create_storage_tier(sa, [h for _, h in pairs], getattr(worker, "tp_rank", 0))
     cache = HiRadixCache(req_to_token_pool, allocator, page_size, controller, HostPageAllocator(tokens, page_size),
                          sa.hicache_write_policy)
     launcher = getattr(worker, "launcher", None)

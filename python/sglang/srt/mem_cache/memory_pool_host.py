@@ -19,11 +19,12 @@ are contiguous (what an L3 store wants to read per page). Both expose `payload(l
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
-from sglang.srt.mem_cache.memory_pool import KVCache, KVPoolLayout
+from sglang.srt.mem_cache.memory_pool import KVCache, KVPoolLayout, PagePayload
 
 HOST_MEM_LAYOUTS = ("layer_first", "page_first")
 HOST_HEADROOM_BYTES = 10 * 10**9  # upstream leaves ~10 GB of host RAM free (or 10% of it, if less)
@@ -168,6 +169,14 @@ class HostKVPool:
                 raise KeyError(f"layer {layer_id} has no index K on the host (index layers: {self.index_layer_ids})")
             return self._select(self._index, j)
         raise KeyError(f"unknown page payload {name!r}")
+
+    def layout(self) -> KVPoolLayout:
+        """The device pool's layout with this mirror's page count (what the L3 storage checks)."""
+        return dataclasses.replace(self.layout_info, num_pages=self.num_pages)
+
+    def page_payloads(self, layer_id: int) -> list[PagePayload]:
+        """Row = host page (the L3 storage reads / writes host pages through these)."""
+        return [PagePayload(name, self.payload(layer_id, name)) for name in self.payload_names(layer_id)]
 
     def _check_layer(self, layer_id: int) -> None:
         if not 0 <= layer_id < self.layer_num:

@@ -18,7 +18,7 @@ _BENCH = Path(__file__).resolve().parents[4] / "benchmark" / "indexcache" / "ben
 
 def test_bench_indexcache_cpu_smoke(tmp_path):
     cmd = [sys.executable, str(_BENCH), "--cpu-small", "--layers", "4", "--freqs", "1,4", "--contexts", "640",
-           "--decode-batch", "1", "--decode-steps", "3", "--repeats", "2", "--out-dir", str(tmp_path)]
+           "--decode-batch", "1", "--decode-steps", "3", "--repeats", "3", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stem = tmp_path / "indexcache_deepseek-v32_cpu_small"
@@ -34,8 +34,10 @@ def test_bench_indexcache_cpu_smoke(tmp_path):
         assert row["context"] == 640 and row["prefill_s"] > 0 and row["decode_step_s"] > 0
         assert 0 < row["prefill_indexer_share"] < 1 and 0 < row["decode_indexer_share"] < 1
         # interleaved repeats, median (what benchmark/RESULTS.md states)
-        assert len(row["samples"]) == 2 and row["prefill_s"] == statistics.median(x["prefill_s"] for x in row["samples"])
-    assert result["repeats"] == 2 and "interleaved" in result["method"]
+        assert len(row["samples"]) == 3 and row["prefill_s"] == statistics.median(x["prefill_s"] for x in row["samples"])
+    assert result["repeats"] == 3 and "interleaved" in result["method"] and "warm-up" in result["method"]
+    few = subprocess.run(cmd[:-4] + ["--repeats", "2"] + cmd[-2:], capture_output=True, text=True, timeout=120)
+    assert few.returncode == 2 and "--repeats must be >= 3" in few.stderr
     assert shared["schedule"] == "FFSS"
     per_layer = base["index_bytes_per_token"]
     assert base["kv_bytes_per_token"] - shared["kv_bytes_per_token"] == 2 * per_layer  # two shared layers

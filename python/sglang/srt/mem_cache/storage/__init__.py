@@ -15,6 +15,9 @@ How the HiCache controller uses it (host pool = any object with `layout()` and `
 A StorageLayoutError (the store holds pages of another layout) is a configuration error to log and
 stop using the tier on, not a miss. The draft model's pool (EAGLE) is a second storage object with
 its own namespace (its layout differs).
+
+`tier.StorageTier` is that flow as HiCache runs it (controller.storage): writes behind committed
+host copies, reads at admission, the prefetch policy, and the one-error disable.
 """
 
 from sglang.srt.mem_cache.storage.hicache_storage import (

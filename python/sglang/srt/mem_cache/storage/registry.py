@@ -26,6 +26,8 @@ STORAGE_BACKENDS: dict[str, tuple[str, str, frozenset[str]]] = {
 }
 STORAGE_BACKEND_NAMES = list(STORAGE_BACKENDS)  # --hicache-storage-backend choices
 PREFETCH_POLICIES = ["best_effort", "wait_complete", "timeout"]  # --hicache-storage-prefetch-policy (upstream)
+# extra-config keys every backend accepts: the timeout policy's deadline (read by storage/tier.py)
+COMMON_EXTRA_KEYS = frozenset({"prefetch_timeout_base", "prefetch_timeout_per_ki_token"})
 
 
 class StorageConfigError(ValueError):
@@ -77,10 +79,15 @@ def validate_storage_args(backend: str | None, extra_config: str | dict | None, 
     if enable_hierarchical_cache is False:
         raise StorageConfigError("hicache_storage_backend", "needs --enable-hierarchical-cache (the storage tier "
                                  "sits under the host-memory tier)")
-    unknown = sorted(set(extra) - STORAGE_BACKENDS[backend][2])
+    known = STORAGE_BACKENDS[backend][2] | COMMON_EXTRA_KEYS
+    unknown = sorted(set(extra) - known)
     if unknown:
         raise StorageConfigError("hicache_storage_backend_extra_config", f"unknown key(s) {unknown} for the "
-                                 f"{backend} backend; known: {sorted(STORAGE_BACKENDS[backend][2])}")
+                                 f"{backend} backend; known: {sorted(known)}")
+    for k in COMMON_EXTRA_KEYS & set(extra):
+        v = extra[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise StorageConfigError("hicache_storage_backend_extra_config", f"{k} must be a number >= 0 (s)")
     if backend == "file" and "file_path" in extra and not isinstance(extra["file_path"], str):
         raise StorageConfigError("hicache_storage_backend_extra_config", "file_path must be a string")
     if backend == "mooncake":

@@ -189,3 +189,114 @@ def test_pd_decode_really_reads_the_transferred_kv(monkeypatch):
     got, _, _ = _run_pd(p, d, port, prompts, 12)
     assert [g[0] for g in got] == [w[0] for w in want]  # the first token is the prefill's
     assert got != want
+
+
+# -- real servers: prefill + decode + router (Mooncake over TCP) vs one combined server ---------------
+import concurrent.futures  # noqa: E402
+import signal  # noqa: E402
+
+import openai  # noqa: E402
+import requests  # noqa: E402
+
+from sglang.srt.testing.pd import PDSetup  # noqa: E402
+from sglang.srt.testing.server import ServerProcess  # noqa: E402
+
+SERVER_ARGS = ("--max-total-tokens", "8192", "--random-seed", "0")
+TEXTS = ["The quick brown fox", "Once upon a time in a land far away, there lived", "1, 2, 3, 4,",
+         "def fibonacci(n):", "Paris is the capital of", "Q: what is 7 times 6?\nA:"]
+
+
+def _complete(base_url: str, prompt: str, max_tokens: int = 12):
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+    return client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0)
+
+
+def _idle_no_leak(server: ServerProcess) -> dict:
+    return server.wait_state(lambda st: st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0
+                             and st["kv_leak"] is None and not (st["disaggregation"] or {}).get("waiting")
+                             and st["kv_free_tokens"] + st["kv_cached_tokens"] == st["kv_total_tokens"]
+                             and not (st["disaggregation"] or {}).get("transferring"), "idle without leaks")
+
+
+@pytest.mark.parametrize("page_size", ["1", "64"])
+def test_servers_router_match_combined(page_size):
+    args = (*SERVER_ARGS, "--page-size", page_size)
+    with ServerProcess(MODEL, *args) as combined:
+        want = {t: _complete(combined.base_url, t).choices[0].text for t in TEXTS}
+    with PDSetup(MODEL, *args) as pd:
+        single = _complete(pd.base_url, TEXTS[0])
+        assert single.choices[0].text == want[TEXTS[0]]
+        with concurrent.futures.ThreadPoolExecutor(len(TEXTS)) as ex:  # batched on both servers
+            got = dict(zip(TEXTS, ex.map(lambda t: _complete(pd.base_url, t), TEXTS)))
+        assert {t: r.choices[0].text for t, r in got.items()} == want
+        # streaming through the router: the same text
+        client = openai.OpenAI(base_url=pd.base_url + "/v1", api_key="x", max_retries=0)
+        chunks = client.completions.create(model="default", prompt=TEXTS[1], max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want[TEXTS[1]]
+        # radix hit on the prefill side, reported by the decode side
+        long = _complete(pd.base_url, "Once upon a time " * 12)  # > 2 pages of 64
+        again = _complete(pd.base_url, "Once upon a time " * 12 + "a dragon")
+        assert again.usage.prompt_tokens_details.cached_tokens >= 64
+        ps, ds = _idle_no_leak(pd.prefill), _idle_no_leak(pd.decode)
+        p = int(page_size)
+        usages = [single.usage.prompt_tokens] + [r.usage.prompt_tokens for r in got.values()] + \
+                 [got[TEXTS[1]].usage.prompt_tokens, long.usage.prompt_tokens, again.usage.prompt_tokens]
+        pages = sum(-(-n // p) for n in usages)
+        pd_p, pd_d = ps["disaggregation"], ds["disaggregation"]
+        assert pd_p["pages_sent"] == pd_d["pages_received"] == pages
+        assert pd_p["bytes_sent"] == pd_d["bytes_received"] == pages * pd_d["bytes_per_page"]
+
+
+def test_server_layout_mismatch_fails_at_handshake():
+    with PDSetup(MODEL, *SERVER_ARGS, prefill_args=("--nsa-index-topk-freq", "4", "--nsa-index-topk-offset", "2")) as pd:
+        r = requests.post(pd.base_url + "/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 4},
+                          timeout=120)
+        assert r.status_code >= 500, r.text
+        msg = r.json()["error"]["message"]
+        assert "handshake" in msg and "index-K layer ids" in msg, msg
+        _idle_no_leak(pd.prefill)
+        _idle_no_leak(pd.decode)
+
+
+def test_killed_decode_server_mid_transfer():
+    long_prompt = " ".join(f"w{i}" for i in range(700))  # ~2.4K tokens, prefilled in 64-token chunks
+    with PDSetup(MODEL, *SERVER_ARGS, "--chunked-prefill-size", "64") as pd:
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(requests.post, pd.base_url + "/v1/completions",
+                            json={"model": "default", "prompt": long_prompt, "max_tokens": 50}, timeout=120)
+            # the decode side has preallocated and registered: its KV is on the way
+            pd.decode.wait_state(lambda st: (st["disaggregation"] or {}).get("transferring") == 1, "transferring")
+            pd.decode.proc.send_signal(signal.SIGKILL)
+            r = fut.result()
+        assert r.status_code in (502, 503), r.text
+        assert r.json()["error"]["message"] and r.json()["error"]["type"] == "server_error"
+        st = _idle_no_leak(pd.prefill)  # the prefill side freed the request's pages
+        assert st["kv_free_tokens"] + st["kv_cached_tokens"] == st["kv_total_tokens"]
+        assert requests.get(pd.prefill.base_url + "/health", timeout=10).status_code == 200
+
+
+def test_mooncake_missing_is_a_startup_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # import fails as if not installed
+    with pytest.raises(ServerArgsError, match="mooncake-transfer-engine"):
+        _args(disaggregation_mode="prefill", disaggregation_transfer_backend="mooncake")
+
+
+def test_cp2_prefill_sends_only_its_pages():
+    """Prefill with context parallel (cp = 2, gloo): each rank writes only the pages it owns; the
+    decode server commits after both ranks' Done and decodes cp = 1's greedy tokens."""
+    args = (*SERVER_ARGS, "--page-size", "16")
+    prompts = TEXTS[:3] + ["Long context " * 30]
+    with ServerProcess(MODEL, *args) as combined:
+        want = [_complete(combined.base_url, t).choices[0].text for t in prompts]
+    cp = ("--tp-size", "2", "--attn-cp-size", "2", "--enable-nsa-prefill-context-parallel")
+    with PDSetup(MODEL, *args, prefill_args=cp) as pd:
+        got = [_complete(pd.base_url, t) for t in prompts]
+        assert [r.choices[0].text for r in got] == want
+        ps, ds = _idle_no_leak(pd.prefill), _idle_no_leak(pd.decode)
+        pages = sum(-(-r.usage.prompt_tokens // 16) for r in got)
+        assert ds["disaggregation"]["pages_received"] == pages
+        assert ds["disaggregation"]["bytes_received"] == pages * ds["disaggregation"]["bytes_per_page"]
+        rank0 = ps["disaggregation"]["pages_sent"]  # the stats come from CP rank 0
+        assert 0 < rank0 < pages, (rank0, pages)  # no rank sends (or holds) the full KV

@@ -41,6 +41,8 @@ class TransferEndpoint:
             self.backend.register(t.data_ptr(), t.numel() * t.element_size())
         self.bytes_moved = 0
         self.pages_moved = 0
+        self.ops = 0
+        self.seconds = 0.0  # in backend.write (this rank)
 
 
 class PushSockets:

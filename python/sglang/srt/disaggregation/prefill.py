@@ -168,12 +168,15 @@ class PrefillScheduler(Scheduler):
             return
         src_pages, dst_pages = rank_pages(logical, dst, self.cp_rank, self.cp_size)
         srcs, dsts, lens = copy_ops(self.pd.desc, reg.ptrs, src_pages, dst_pages)
+        self.pd.ops += len(lens)
+        t0 = time.perf_counter()
         try:
             self.pd.backend.write(reg.session_id, srcs, dsts, lens)
         except TransferError as e:
             logger.error("PD transfer for room %d failed: %s", room, e)
             self._fail(room, f"KV transfer to the decode server failed: {e}", 503, notify=False)
             return
+        self.pd.seconds += time.perf_counter() - t0
         nbytes = sum(lens)
         self.pd.bytes_moved += nbytes
         self.pd.pages_moved += len(src_pages)
@@ -202,5 +205,6 @@ class PrefillScheduler(Scheduler):
     def get_stats(self):
         stats = super().get_stats()
         stats.disaggregation = {"mode": "prefill", "bytes_sent": self.pd.bytes_moved, "pages_sent": self.pd.pages_moved,
-                                "transfers": self.pd_transfers, "waiting": len(self.pd_waiting)}
+                                "transfers": self.pd_transfers, "waiting": len(self.pd_waiting),
+                                "transfer_seconds": self.pd.seconds, "copy_ops": self.pd.ops}
         return stats

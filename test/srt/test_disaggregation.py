@@ -174,8 +174,29 @@ def test_pd_decode_abort_frees_both_sides():
 def test_flags_validated():
     with pytest.raises(ServerArgsError, match="disaggregation-mode"):
         _args(disaggregation_mode="both")
-    with pytest.raises(ServerArgsError, match="disaggregation-mode"):
-        _args(disaggregation_mode="decode", disaggregation_transfer_backend="fake", speculative_algorithm="EAGLE")
+    with pytest.raises(ServerArgsError, match="disaggregation-bootstrap-port"):
+        _args(disaggregation_mode="decode", disaggregation_transfer_backend="fake", disaggregation_bootstrap_port=0)
+
+
+def test_pd_speculative_moves_draft_kv_and_matches_combined():
+    """EAGLE on both sides: the draft's KV moves with the target's (same page list), the draft's first
+    proposal and hidden state ride in Done; greedy tokens equal a combined speculative server."""
+    spec = dict(speculative_algorithm="EAGLE", speculative_num_steps=3)
+    global MODEL
+    model, MODEL = MODEL, "builtin:tiny-deepseek-v32-mtp"
+    try:
+        prompts = _prompts(4, seed=13)
+        want = _combined(prompts, 16, **spec)
+        p, d, port = _pair(**spec)
+        assert {b.pool for b in p.pd.desc.meta.buffers} == {"target", "draft"}
+        got, _, _ = _run_pd(p, d, port, prompts, 16)
+        assert got == want
+        pages = sum(len(x) for x in prompts)
+        assert d.get_stats().disaggregation["bytes_received"] == pages * bytes_per_page(p.pd.desc.meta)
+        assert d.tp_worker.num_verify_steps > 0  # the decode side really ran verifies
+        _no_leak(p, d)
+    finally:
+        MODEL = model
 
 
 def test_pd_decode_really_reads_the_transferred_kv(monkeypatch):
@@ -300,3 +321,16 @@ def test_cp2_prefill_sends_only_its_pages():
         assert ds["disaggregation"]["bytes_received"] == pages * ds["disaggregation"]["bytes_per_page"]
         rank0 = ps["disaggregation"]["pages_sent"]  # the stats come from CP rank 0
         assert 0 < rank0 < pages, (rank0, pages)  # no rank sends (or holds) the full KV
+
+
+def test_native_generate_through_router():
+    """/generate (upstream's native API) through the router, streaming, equals the combined server."""
+    body = {"input_ids": list(range(5, 60)), "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    with ServerProcess(MODEL, *SERVER_ARGS) as combined:
+        want = requests.post(combined.base_url + "/generate", json=body, timeout=120).json()["output_ids"]
+    with PDSetup(MODEL, *SERVER_ARGS) as pd:
+        got = requests.post(pd.base_url + "/generate", json=body, timeout=120).json()["output_ids"]
+        assert got == want
+        with requests.post(pd.base_url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
+            events = [line for line in r.iter_lines() if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]" and b'"finish_reason": {"type": "length"' in events[-2]

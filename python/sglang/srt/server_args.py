@@ -537,9 +537,6 @@ def _check_disaggregation(args: ServerArgs) -> None:
         raise ServerArgsError("disaggregation_bootstrap_port", f"must be in 1..65535, got {port!r}")
     if args.disaggregation_mode == "null":
         return
-    if args.speculative_algorithm is not None:
-        raise ServerArgsError("disaggregation_mode", "is not supported with --speculative-algorithm yet (the decode "
-                              "server would also need the draft's first proposal, not only the draft KV)")
     if args.enable_hierarchical_cache:
         raise ServerArgsError("disaggregation_mode", "is not supported with --enable-hierarchical-cache yet")
     if args.disaggregation_transfer_backend == "mooncake":

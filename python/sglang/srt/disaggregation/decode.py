@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from sglang.srt.disaggregation.common import BOOTSTRAP_TIMEOUT_S, PushSockets, TransferEndpoint, drain, local_host
+from sglang.srt.disaggregation.common import (
+    BOOTSTRAP_TIMEOUT_S,
+    PushSockets,
+    TransferEndpoint,
+    drain,
+    local_host,
+    set_spec_state,
+)
 from sglang.srt.disaggregation.kv_layout import bytes_per_page, request_pages
 from sglang.srt.disaggregation.messages import AbortRoom, Done, Register
 from sglang.srt.managers.io_struct import ReqOutput, TokenizedGenerateReqInput
@@ -174,6 +181,8 @@ class DecodeScheduler(Scheduler):
         req.output_ids.append(first)
         req.first_token_time = time.monotonic()
         self.tp_worker.token_table.store(torch.tensor([req.req_pool_idx]), torch.tensor([first]))
+        set_spec_state(self.tp_worker, req.req_pool_idx, req.kv_committed_len,
+                       next((d.spec_state for d in dones if d.rank == 0), None))
         if req.grammar is not None and not req.grammar.accept_token(first):
             req.finished_reason = FINISH_ABORT(f"token {first} from the prefill server is not allowed by the grammar",
                                                500)

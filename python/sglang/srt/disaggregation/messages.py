@@ -38,5 +38,7 @@ class Done:
     cached_tokens: int = 0
     bytes_sent: int = 0
     pages_sent: int = 0
+    # speculative decoding: the draft's proposal for the next position and its last hidden state
+    spec_state: tuple[int, bytes] | None = None
     error: str | None = None
     status_code: int = 500

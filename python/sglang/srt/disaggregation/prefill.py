@@ -18,7 +18,7 @@ import time
 import torch
 import zmq
 
-from sglang.srt.disaggregation.common import BOOTSTRAP_TIMEOUT_S, PushSockets, TransferEndpoint, drain
+from sglang.srt.disaggregation.common import BOOTSTRAP_TIMEOUT_S, PushSockets, TransferEndpoint, drain, spec_state
 from sglang.srt.disaggregation.kv_layout import copy_ops, layout_mismatch, rank_pages, request_pages
 from sglang.srt.disaggregation.messages import AbortRoom, Done, Register
 from sglang.srt.disaggregation.transfer import TransferError
@@ -182,7 +182,7 @@ class PrefillScheduler(Scheduler):
         self.pd.pages_moved += len(src_pages)
         self.pd_transfers += 1
         self.push.send(reg.notify_addr, Done(room, self.cp_rank, self.cp_size, req.output_ids[0], req.cached_tokens,
-                                             nbytes, len(src_pages)))
+                                             nbytes, len(src_pages), spec_state(self.tp_worker, req.req_pool_idx)))
         req.finished_reason = FINISH_LENGTH(len(req.output_ids))
         self._finish(room, req)
 

@@ -48,7 +48,7 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404:
                  405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error"}
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
                   "top_logprobs_num", "rid", "return_text_in_logprobs", "return_hidden_states",
-                  "custom_logit_processor"}
+                  "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, version: str = "") -> FastAPI:

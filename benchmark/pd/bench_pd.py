@@ -6,9 +6,10 @@ bandwidth vs a raw Mooncake loopback copy measured in the same run.
 Starts a combined server, and a prefill + decode server (Mooncake over TCP) behind the PD router;
 sends the same prompts (token ids, one at a time, streaming) alternately to each side; TTFT = time to
 the first streamed token, decode tok/s = (tokens - 1) / (last - first token time). Transfer
-bandwidth = bytes the prefill server wrote / seconds inside its transfer calls (its counters); the
-raw copy moves the same bytes per request between two Mooncake engines in this process, once as
-one range and once split into the same number of ranges the server used.
+bandwidth = bytes the prefill server wrote / seconds inside its transfer calls (its counters), per
+request; right after each PD request a raw copy moves the same bytes between two Mooncake engines
+in this process (servers still up, same load), once as one range and once split into the same
+number of ranges the server used; medians of the per-request values.
 """
 
 from __future__ import annotations
@@ -52,26 +53,26 @@ def one_request(base_url: str, ids: list[int], max_new: int) -> tuple[float, flo
     return first - t0, (n - 1) / (last - first) if n > 1 and last > first else float("nan")
 
 
-def raw_mooncake(nbytes: int, ops: int, repeats: int) -> tuple[float, float]:
-    """GB/s of one-range and `ops`-range loopback writes of `nbytes` between two engines."""
-    a, b = MooncakeBackend(), MooncakeBackend()
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    dst = torch.zeros_like(src)
-    a.register(src.data_ptr(), nbytes)
-    b.register(dst.data_ptr(), nbytes)
-    res = []
-    for k in (1, max(ops, 1)):
-        step = nbytes // k
-        offs = [i * step for i in range(k)]
-        lens = [step] * (k - 1) + [nbytes - step * (k - 1)]
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            a.write(b.session_id, [src.data_ptr() + o for o in offs], [dst.data_ptr() + o for o in offs], lens)
-            times.append(time.perf_counter() - t)
-        assert torch.equal(src, dst)
-        res.append(nbytes / statistics.median(times) / 1e9)
-    return res[0], res[1]
+class RawMooncake:
+    """Two Mooncake engines in this process (loopback over TCP), buffers registered once."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.a, self.b = MooncakeBackend(), MooncakeBackend()
+        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.dst = torch.zeros_like(self.src)
+        self.a.register(self.src.data_ptr(), nbytes)
+        self.b.register(self.dst.data_ptr(), nbytes)
+        self.write(nbytes, 1)  # connect
+
+    def write(self, nbytes: int, ops: int) -> float:
+        """Seconds to write `nbytes` as `ops` equal ranges."""
+        step = nbytes // ops
+        offs = [i * step for i in range(ops)]
+        lens = [step] * (ops - 1) + [nbytes - step * (ops - 1)]
+        t = time.perf_counter()
+        self.a.write(self.b.session_id, [self.src.data_ptr() + o for o in offs], [self.dst.data_ptr() + o for o in offs],
+                     lens)
+        return time.perf_counter() - t
 
 
 def main() -> None:
@@ -91,30 +92,35 @@ def main() -> None:
     with ServerProcess(args.model, *sargs) as comb, PDSetup(args.model, *sargs) as pd:
         for url in (comb.base_url, pd.base_url):  # warm-up
             one_request(url, prompts[0][:32], 4)
-        before = pd.prefill.internal_state()["disaggregation"]
-        for ids in tqdm(prompts, desc="requests (combined, PD alternately)"):
+        raw = RawMooncake(args.prompt_len * pd.decode.internal_state()["disaggregation"]["bytes_per_page"]
+                          // args.page_size + (1 << 20))
+        xfer = {"pd_gbps": [], "raw_one_range_gbps": [], "raw_same_ranges_gbps": [], "bytes": [], "ops": []}
+        for ids in tqdm(prompts, desc="requests (combined, PD, raw copy: interleaved)"):
             for side, url in (("combined", comb.base_url), ("pd", pd.base_url)):
+                before = pd.prefill.internal_state()["disaggregation"]
                 ttft, tps = one_request(url, ids, args.max_new_tokens)
                 res[side]["ttft"].append(ttft)
                 res[side]["tps"].append(tps)
-        after = pd.prefill.internal_state()["disaggregation"]
-    moved = after["bytes_sent"] - before["bytes_sent"]
-    secs = after["transfer_seconds"] - before["transfer_seconds"]
-    ops = (after["copy_ops"] - before["copy_ops"]) // args.requests
-    per_req = moved // args.requests
-    raw1, raw_ops = raw_mooncake(per_req, ops, repeats=7)
+            after = pd.prefill.internal_state()["disaggregation"]
+            nbytes = after["bytes_sent"] - before["bytes_sent"]
+            ops = after["copy_ops"] - before["copy_ops"]
+            xfer["bytes"].append(nbytes)
+            xfer["ops"].append(ops)
+            xfer["pd_gbps"].append(nbytes / (after["transfer_seconds"] - before["transfer_seconds"]) / 1e9)
+            xfer["raw_one_range_gbps"].append(nbytes / raw.write(nbytes, 1) / 1e9)
+            xfer["raw_same_ranges_gbps"].append(nbytes / raw.write(nbytes, ops) / 1e9)
     med = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in res.items()}
     out = {
         "setting": vars(args),
         "median": med,
         "ttft_ratio_pd_over_combined": med["pd"]["ttft"] / med["combined"]["ttft"],
         "decode_tps_ratio_pd_over_combined": med["pd"]["tps"] / med["combined"]["tps"],
-        "transfer": {"bytes_per_request": per_req, "ops_per_request": ops, "gbps": moved / secs / 1e9 if secs else None,
-                     "raw_one_range_gbps": raw1, "raw_same_ranges_gbps": raw_ops},
-        "raw": res,
+        "transfer": {k: statistics.median(v) for k, v in xfer.items()},
+        "raw": {**res, "transfer": xfer},
     }
-    out["transfer"]["ratio_vs_raw_one_range"] = out["transfer"]["gbps"] / raw1
-    out["transfer"]["ratio_vs_raw_same_ranges"] = out["transfer"]["gbps"] / raw_ops
+    t = out["transfer"]
+    t["ratio_vs_raw_one_range"] = t["pd_gbps"] / t["raw_one_range_gbps"]
+    t["ratio_vs_raw_same_ranges"] = t["pd_gbps"] / t["raw_same_ranges_gbps"]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
@@ -129,8 +135,8 @@ def main() -> None:
     ax[0].set_title(f"TTFT (ms), prompt {args.prompt_len}")
     ax[1].bar(["combined", "PD"], [med["combined"]["tps"], med["pd"]["tps"]])
     ax[1].set_title("decode tok/s (bs 1)")
-    t = out["transfer"]
-    ax[2].bar(["PD transfer", "raw 1 range", f"raw {ops} ranges"], [t["gbps"], raw1, raw_ops])
+    ax[2].bar(["PD transfer", "raw 1 range", f"raw {int(t['ops'])} ranges"],
+              [t["pd_gbps"], t["raw_one_range_gbps"], t["raw_same_ranges_gbps"]])
     ax[2].set_title("KV transfer GB/s (Mooncake TCP)")
     fig.tight_layout()
     fig.savefig(args.out.replace(".json", ".png"))

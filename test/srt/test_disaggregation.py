@@ -2,18 +2,25 @@
 
 In-process (fake transfer backend): a PrefillScheduler and a DecodeScheduler in this process, stepped
 alternately, produce the same greedy tokens as one combined Scheduler; the bytes moved equal the
-pages that must move; radix hits on the prefill side; IndexCache freq 4; page sizes 1 and 64; a
-layout mismatch fails at the handshake with a message naming it; aborts free both sides.
+pages that must move; radix hits on the prefill side; IndexCache freq 4; page sizes 1 and 64;
+EAGLE (draft KV + draft state); a layout mismatch fails at the handshake with a message naming it;
+aborts on either side free both sides; a skipped copy diverges (negative control).
+
+Real processes (Mooncake over TCP): prefill + decode + router vs one combined server (page 1 / 64,
+single, batched, streaming, /generate, radix hits), a CP = 2 prefill (gloo) sending only its own
+pages, the handshake mismatch, and a decode server killed mid-transfer (502/503, nothing leaks).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
-import os
 import random
+import signal
 
+import openai
 import pytest
-import torch
+import requests
 
 from sglang.srt.disaggregation.common import free_port
 from sglang.srt.disaggregation.decode import DecodeScheduler
@@ -23,6 +30,8 @@ from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.testing.pd import PDSetup
+from sglang.srt.testing.server import ServerProcess
 
 MODEL = "builtin:tiny-deepseek-v32"
 _rooms = itertools.count(1000)
@@ -213,15 +222,6 @@ def test_pd_decode_really_reads_the_transferred_kv(monkeypatch):
 
 
 # -- real servers: prefill + decode + router (Mooncake over TCP) vs one combined server ---------------
-import concurrent.futures  # noqa: E402
-import signal  # noqa: E402
-
-import openai  # noqa: E402
-import requests  # noqa: E402
-
-from sglang.srt.testing.pd import PDSetup  # noqa: E402
-from sglang.srt.testing.server import ServerProcess  # noqa: E402
-
 SERVER_ARGS = ("--max-total-tokens", "8192", "--random-seed", "0")
 TEXTS = ["The quick brown fox", "Once upon a time in a land far away, there lived", "1, 2, 3, 4,",
          "def fibonacci(n):", "Paris is the capital of", "Q: what is 7 times 6?\nA:"]
@@ -334,3 +334,31 @@ def test_native_generate_through_router():
         with requests.post(pd.base_url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
             events = [line for line in r.iter_lines() if line.startswith(b"data: ")]
         assert events[-1] == b"data: [DONE]" and b'"finish_reason": {"type": "length"' in events[-2]
+
+
+def test_pd_prefill_abort_frees_both_sides():
+    """A client abort on the prefill side after the prefill (KV waiting for the decode side) frees
+    the prefill's pages and fails the decode side's request, which frees its preallocation."""
+    p, d, port = _pair()
+    room = next(_rooms)
+    ids = _prompts(1, seed=17)[0]
+    p.add_request(_req("b0", ids, 20, room, port))
+    for _ in range(200):  # prefill, without the decode side registering yet
+        p.step()
+        if p.pd_waiting:
+            break
+    assert p.pd_waiting
+    d.add_request(_req("b0", ids, 20, room, port))
+    d.step()  # registers
+    outs = p.abort_request("b0")
+    assert outs[0].finished_reason["type"] == "abort"
+    finals = {}
+    for _ in range(2000):
+        if not (p.has_work() or d.has_work()):
+            break
+        p.step()
+        for o in d.step():
+            if o.finished_reason:
+                finals[o.rid] = o
+    assert finals["b0"].finished_reason["type"] == "abort", finals
+    _no_leak(p, d)

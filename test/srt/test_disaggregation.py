@@ -362,3 +362,21 @@ def test_pd_prefill_abort_frees_both_sides():
                 finals[o.rid] = o
     assert finals["b0"].finished_reason["type"] == "abort", finals
     _no_leak(p, d)
+
+
+def test_cp2_prefill_with_speculative_decode():
+    """CP = 2 prefill + EAGLE on both servers: draft KV pages move per rank like the target's, the
+    draft state comes from rank 0; tokens equal a combined EAGLE server."""
+    model = "builtin:tiny-deepseek-v32-mtp"
+    args = (*SERVER_ARGS, "--page-size", "16", "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3")
+    prompts = TEXTS[:2] + ["Long context " * 30]
+    with ServerProcess(model, *args) as combined:
+        want = [_complete(combined.base_url, t).choices[0].text for t in prompts]
+    cp = ("--tp-size", "2", "--attn-cp-size", "2", "--enable-nsa-prefill-context-parallel")
+    with PDSetup(model, *args, prefill_args=cp) as pd:
+        got = [_complete(pd.base_url, t) for t in prompts]
+        assert [r.choices[0].text for r in got] == want
+        ds = _idle_no_leak(pd.decode)["disaggregation"]
+        _idle_no_leak(pd.prefill)
+        pages = sum(-(-r.usage.prompt_tokens // 16) for r in got)
+        assert ds["pages_received"] == pages and ds["bytes_received"] == pages * ds["bytes_per_page"]

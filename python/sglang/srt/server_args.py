@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.index_k_format import INDEX_K_DTYPE_NAMES  # noqa: E40
 from sglang.srt.mem_cache.kv_fp8_format import KV_CACHE_DTYPES  # noqa: E402
 from sglang.srt.layers.moe.moe_registry import MOE_RUNNER_BACKENDS  # noqa: E402
 from sglang.srt.constrained import GRAMMAR_BACKENDS  # noqa: E402
+from sglang.srt.disaggregation import DISAGGREGATION_MODES, TRANSFER_BACKENDS  # noqa: E402
 from sglang.srt.mem_cache.storage.registry import PREFETCH_POLICIES, STORAGE_BACKEND_NAMES  # noqa: E402
 
 
@@ -215,6 +216,16 @@ class ServerArgs:
                                      "speculative")
     speculative_num_draft_tokens: int | None = _f(None, "Tokens the target verifies per step (default and only "
                                                   "value with topk 1: num_steps + 1).", "speculative")
+
+    # -- PD disaggregation (upstream's names) ---------------------------------------------------
+    disaggregation_mode: str = _f("null", "Prefill/decode disaggregation: prefill (compute prompts, send their KV "
+                                  "to a decode server), decode (receive KV, then decode) or null (both here).",
+                                  "disaggregation", DISAGGREGATION_MODES)
+    disaggregation_transfer_backend: str = _f("mooncake", "KV transfer engine: mooncake (Mooncake Transfer Engine; "
+                                              "TCP on CPU, RDMA where NICs exist) or fake (in-process, tests only).",
+                                              "disaggregation", TRANSFER_BACKENDS)
+    disaggregation_bootstrap_port: int = _f(8998, "Prefill server: port where decode servers register the pages a "
+                                            "request's KV goes to (CP rank 0 listens).", "disaggregation")
 
     # -- structured outputs / custom logit processors ------------------------------------------
     grammar_backend: str = _f("xgrammar", "Grammar backend for json_schema / regex / ebnf / structural_tag "
@@ -528,6 +539,27 @@ def _check_hicache(args: ServerArgs) -> None:
 
 
 _VALIDATORS.append(_check_hicache)
+
+
+def _check_disaggregation(args: ServerArgs) -> None:
+    _choice(args, "disaggregation_mode")
+    _choice(args, "disaggregation_transfer_backend")
+    port = args.disaggregation_bootstrap_port
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ServerArgsError("disaggregation_bootstrap_port", f"must be in 1..65535, got {port!r}")
+    if args.disaggregation_mode == "null":
+        return
+    if args.enable_hierarchical_cache:
+        raise ServerArgsError("disaggregation_mode", "is not supported with --enable-hierarchical-cache yet")
+    if args.disaggregation_transfer_backend == "mooncake":
+        from sglang.srt.disaggregation.transfer import mooncake_import_error
+
+        reason = mooncake_import_error()
+        if reason:
+            raise ServerArgsError("disaggregation_transfer_backend", reason)
+
+
+_VALIDATORS.append(_check_disaggregation)
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:

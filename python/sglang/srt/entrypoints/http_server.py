@@ -48,7 +48,7 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404:
                  405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error"}
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
                   "top_logprobs_num", "rid", "return_text_in_logprobs", "return_hidden_states",
-                  "custom_logit_processor"}
+                  "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, version: str = "") -> FastAPI:
@@ -337,11 +337,17 @@ def _native_requests(body: dict) -> tuple[list[GenerateRequest], bool]:
     clp = _typed(body, "custom_logit_processor", (str, list), None, lambda c: isinstance(c, str) or (
         len(c) == len(prompts) and all(x is None or isinstance(x, str) for x in c)))
     clps = clp if isinstance(clp, list) else [clp] * len(prompts)
+    # PD disaggregation (set by the router): one room per prompt
+    bs_host = _typed(body, "bootstrap_host", (str,), None)
+    bs_port = _typed(body, "bootstrap_port", (int,), None)
+    room = _typed(body, "bootstrap_room", (int, list), None, lambda r: isinstance(r, int) or len(r) == len(prompts))
+    rooms = room if isinstance(room, list) else [room] * len(prompts)
     reqs = [GenerateRequest(text=p.get("text"), input_ids=p.get("input_ids"), sampling_params=s,
                             return_logprob=return_logprob, logprob_start_len=start, top_logprobs_num=top_n,
                             stream=stream, rid=r if single or isinstance(rid, list) else None,
-                            return_hidden_states=hidden, custom_logit_processor=c)
-            for p, s, r, c in zip(prompts, sps, rids, clps)]
+                            return_hidden_states=hidden, custom_logit_processor=c, bootstrap_host=bs_host,
+                            bootstrap_port=bs_port, bootstrap_room=rm)
+            for p, s, r, c, rm in zip(prompts, sps, rids, clps, rooms)]
     return reqs, single
 
 

@@ -21,6 +21,11 @@ class TokenizedGenerateReqInput:
     input_text: str | None = None
     return_hidden_states: bool = False
     custom_logit_processor: str | None = None  # CustomLogitProcessor.to_str(); needs the server flag
+    # PD disaggregation (set by the router): the prefill server's bootstrap address and the room
+    # (a random id) naming this request on both servers.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 @dataclass
@@ -58,6 +63,7 @@ class SchedulerStats:
     kv_leak: str | None = None  # the idle-time invariant check (None = fine or busy)
     num_used_tokens: int = 0  # KV tokens held by requests (upstream's #token)
     gen_throughput: float = 0.0  # decode tokens/s over the last --decode-log-interval steps
+    disaggregation: dict | None = None  # PD: transfer counters of a prefill / decode server
     avg_spec_accept_length: float = 0.0  # speculative decoding: tokens per request per verify step
     num_grammar_queue_reqs: int = 0  # of num_waiting_reqs, those waiting for their grammar to compile
 

@@ -21,6 +21,7 @@ from sglang.srt.managers.io_struct import (
     GetLoadReq,
     TokenizedGenerateReqInput,
 )
+from sglang.srt.disaggregation import scheduler_class
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tokenizer_utils import load_tokenizer
 from sglang.srt.server_args import ServerArgs
@@ -101,7 +102,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
         init = f"tcp://{server_args.dist_init_addr}" if server_args.nnodes > 1 else port_args.dist_init_method
         tp_group = init_distributed(server_args.tp_size, tp_rank, init, timeout_s=server_args.dist_timeout)
         tokenizer = load_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
-        scheduler = Scheduler(server_args, tokenizer=tokenizer, tp_group=tp_group)
+        scheduler = scheduler_class(server_args)(server_args, tokenizer=tokenizer, tp_group=tp_group)
         proc = SchedulerProcess(scheduler, port_args, tp_rank)
         pipe_writer.send({
             "status": "ready",

@@ -70,6 +70,9 @@ class GenerateRequest:
     rid: str | None = None
     return_hidden_states: bool = False
     custom_logit_processor: str | None = None  # CustomLogitProcessor.to_str() (upstream's top-level field)
+    bootstrap_host: str | None = None  # PD disaggregation (set by the router)
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 class _LiveState(RequestState):
@@ -202,6 +205,11 @@ class TokenizerManager:
         else:
             raise RequestError("either text (prompt) or input_ids is required", param="prompt")
         self.check_constraints(req, sp)
+        if req.bootstrap_room is not None and self.server_args.disaggregation_mode == "null":
+            raise RequestError("bootstrap_room is for PD disaggregation: this server was not started with "
+                               "--disaggregation-mode prefill or decode", param="bootstrap_room")
+        if req.bootstrap_room is not None and (req.bootstrap_host is None or req.bootstrap_port is None):
+            raise RequestError("bootstrap_room needs bootstrap_host and bootstrap_port", param="bootstrap_host")
         return req.rid or uuid.uuid4().hex, ids, sp
 
     def check_constraints(self, req: GenerateRequest, sp: SamplingParams) -> None:
@@ -253,7 +261,8 @@ class TokenizerManager:
                         sp.to_dict(), req.return_logprob, req.stream)
         await self.send_to_scheduler.send_pyobj(TokenizedGenerateReqInput(
             iid, ids, sp, req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.stream, req.text,
-            return_hidden_states=req.return_hidden_states, custom_logit_processor=req.custom_logit_processor))
+            return_hidden_states=req.return_hidden_states, custom_logit_processor=req.custom_logit_processor,
+            bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port, bootstrap_room=req.bootstrap_room))
         try:
             while True:
                 await state.event.wait()

@@ -42,7 +42,7 @@ class ResponseFormat(BaseModel):
 # non-default value) is refused with a 400 naming it rather than silently served without it.
 UNSUPPORTED_FIELDS = {
     "lora_path": None, "session_id": None, "session_params": None, "stop_regex": None,
-    "return_routed_experts": False, "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None,
+    "return_routed_experts": False,
     "routed_dp_rank": None, "data_parallel_rank": None, "images_config": None, "input_ids": None,
     # OpenAI fields with no meaning for a text-only model without tools of its own
     "functions": None, "function_call": None, "audio": None, "prediction": None, "web_search_options": None,
@@ -54,6 +54,10 @@ class SamplingExtras(_Request):
 
     model: str = "default"
     temperature: float = 1.0
+    # PD disaggregation: set by the router (upstream's names), the same on the prefill and decode server.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
     top_p: float = 1.0
     n: int = 1
     stream: bool = False

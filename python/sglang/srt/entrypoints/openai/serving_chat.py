@@ -66,7 +66,8 @@ class ChatHandler(OpenAIServingBase):
         base = GenerateRequest(text=prompt, sampling_params=sp, return_logprob=req.logprobs,
                                top_logprobs_num=req.top_logprobs or 0, stream=req.stream,
                                custom_logit_processor=req.custom_logit_processor,
-                               return_hidden_states=req.return_hidden_states)
+                               return_hidden_states=req.return_hidden_states, bootstrap_host=req.bootstrap_host,
+                               bootstrap_port=req.bootstrap_port, bootstrap_room=req.bootstrap_room)
         try:
             rid, ids, sp_obj = await self.tm.prepare(base)
         except RequestError as e:

@@ -51,7 +51,8 @@ class CompletionHandler(OpenAIServingBase):
             text=p.get("text"), input_ids=p.get("input_ids"), sampling_params=req.sampling_params(req.max_tokens),
             return_logprob=want_lp, logprob_start_len=0 if (want_lp and req.echo) else -1,
             top_logprobs_num=req.logprobs or 0, stream=req.stream, custom_logit_processor=req.custom_logit_processor,
-            return_hidden_states=req.return_hidden_states) for p in _prompts(req.prompt)]
+            return_hidden_states=req.return_hidden_states, bootstrap_host=req.bootstrap_host,
+            bootstrap_port=req.bootstrap_port, bootstrap_room=req.bootstrap_room) for p in _prompts(req.prompt)]
         out = []
         try:
             prepared_all = await asyncio.gather(*map(self.tm.prepare, bases))

@@ -1,0 +1,146 @@
+"""PD disaggregation vs one combined server (issue 23), CPU: TTFT, decode tokens/s, KV transfer
+bandwidth vs a raw Mooncake loopback copy measured in the same run.
+
+    python benchmark/pd/bench_pd.py [--prompt-len 1024 --max-new-tokens 64 --requests 12]
+
+Starts a combined server, and a prefill + decode server (Mooncake over TCP) behind the PD router;
+sends the same prompts (token ids, one at a time, streaming) alternately to each side; TTFT = time to
+the first streamed token, decode tok/s = (tokens - 1) / (last - first token time). Transfer
+bandwidth = bytes the prefill server wrote / seconds inside its transfer calls (its counters), per
+request; right after each PD request a raw copy moves the same bytes between two Mooncake engines
+in this process (servers still up, same load), once as one range and once split into the same
+number of ranges the server used; medians of the per-request values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import requests
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+
+from sglang.srt.disaggregation.transfer import MooncakeBackend  # noqa: E402
+from sglang.srt.testing.pd import PDSetup  # noqa: E402
+from sglang.srt.testing.server import ServerProcess  # noqa: E402
+
+
+def one_request(base_url: str, ids: list[int], max_new: int) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    with requests.post(base_url + "/generate", json={"input_ids": ids, "stream": True, "sampling_params": {
+            "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise RuntimeError(ev["error"])
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            n = ev["meta_info"]["completion_tokens"]
+    return first - t0, (n - 1) / (last - first) if n > 1 and last > first else float("nan")
+
+
+class RawMooncake:
+    """Two Mooncake engines in this process (loopback over TCP), buffers registered once."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.a, self.b = MooncakeBackend(), MooncakeBackend()
+        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.dst = torch.zeros_like(self.src)
+        self.a.register(self.src.data_ptr(), nbytes)
+        self.b.register(self.dst.data_ptr(), nbytes)
+        self.write(nbytes, 1)  # connect
+
+    def write(self, nbytes: int, ops: int) -> float:
+        """Seconds to write `nbytes` as `ops` equal ranges."""
+        step = nbytes // ops
+        offs = [i * step for i in range(ops)]
+        lens = [step] * (ops - 1) + [nbytes - step * (ops - 1)]
+        t = time.perf_counter()
+        self.a.write(self.b.session_id, [self.src.data_ptr() + o for o in offs], [self.dst.data_ptr() + o for o in offs],
+                     lens)
+        return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="builtin:tiny-deepseek-v32")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pd_cpu.json"))
+    args = ap.parse_args()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 900) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    sargs = ("--max-total-tokens", "16384", "--random-seed", "0", "--page-size", str(args.page_size),
+             "--disable-radix-cache")  # every prompt is computed and moved in full
+    res = {"combined": {"ttft": [], "tps": []}, "pd": {"ttft": [], "tps": []}}
+    with ServerProcess(args.model, *sargs) as comb, PDSetup(args.model, *sargs) as pd:
+        for url in (comb.base_url, pd.base_url):  # warm-up
+            one_request(url, prompts[0][:32], 4)
+        raw = RawMooncake(args.prompt_len * pd.decode.internal_state()["disaggregation"]["bytes_per_page"]
+                          // args.page_size + (1 << 20))
+        xfer = {"pd_gbps": [], "raw_one_range_gbps": [], "raw_same_ranges_gbps": [], "bytes": [], "ops": []}
+        for ids in tqdm(prompts, desc="requests (combined, PD, raw copy: interleaved)"):
+            for side, url in (("combined", comb.base_url), ("pd", pd.base_url)):
+                before = pd.prefill.internal_state()["disaggregation"]
+                ttft, tps = one_request(url, ids, args.max_new_tokens)
+                res[side]["ttft"].append(ttft)
+                res[side]["tps"].append(tps)
+            after = pd.prefill.internal_state()["disaggregation"]
+            nbytes = after["bytes_sent"] - before["bytes_sent"]
+            ops = after["copy_ops"] - before["copy_ops"]
+            xfer["bytes"].append(nbytes)
+            xfer["ops"].append(ops)
+            xfer["pd_gbps"].append(nbytes / (after["transfer_seconds"] - before["transfer_seconds"]) / 1e9)
+            xfer["raw_one_range_gbps"].append(nbytes / raw.write(nbytes, 1) / 1e9)
+            xfer["raw_same_ranges_gbps"].append(nbytes / raw.write(nbytes, ops) / 1e9)
+    med = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in res.items()}
+    out = {
+        "setting": vars(args),
+        "median": med,
+        "ttft_ratio_pd_over_combined": med["pd"]["ttft"] / med["combined"]["ttft"],
+        "decode_tps_ratio_pd_over_combined": med["pd"]["tps"] / med["combined"]["tps"],
+        "transfer": {k: statistics.median(v) for k, v in xfer.items()},
+        "raw": {**res, "transfer": xfer},
+    }
+    t = out["transfer"]
+    t["ratio_vs_raw_one_range"] = t["pd_gbps"] / t["raw_one_range_gbps"]
+    t["ratio_vs_raw_same_ranges"] = t["pd_gbps"] / t["raw_same_ranges_gbps"]
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps({k: v for k, v in out.items() if k != "raw"}, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(12, 3.5))
+    ax[0].bar(["combined", "PD"], [med["combined"]["ttft"] * 1e3, med["pd"]["ttft"] * 1e3])
+    ax[0].set_title(f"TTFT (ms), prompt {args.prompt_len}")
+    ax[1].bar(["combined", "PD"], [med["combined"]["tps"], med["pd"]["tps"]])
+    ax[1].set_title("decode tok/s (bs 1)")
+    ax[2].bar(["PD transfer", "raw 1 range", f"raw {int(t['ops'])} ranges"],
+              [t["pd_gbps"], t["raw_one_range_gbps"], t["raw_same_ranges_gbps"]])
+    ax[2].set_title("KV transfer GB/s (Mooncake TCP)")
+    fig.tight_layout()
+    fig.savefig(args.out.replace(".json", ".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The prefill server's scheduler: prefill as usual, then ship the KV instead of decoding.
+
+`on_prefill_finished(req)` parks the request until its decode server's `Register` (arriving on the
+bootstrap port, any time before or after) is validated; then each CP rank writes only the pages it
+owns (cp_page_map), sends `Done` with the first token, and releases the request into the radix
+cache (later prompts hit it here). The prefill's first token never finishes a request here: the
+decode server applies the stop rules to it.
+
+Every rank must take the same decisions: rank 0 reads the control socket, decides timeouts, and
+rebroadcasts both to all CP ranks each iteration (like requests in scheduler_process).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import zmq
+
+from sglang.srt.disaggregation.common import BOOTSTRAP_TIMEOUT_S, PushSockets, TransferEndpoint, drain, spec_state
+from sglang.srt.disaggregation.kv_layout import copy_ops, layout_mismatch, rank_pages, request_pages
+from sglang.srt.disaggregation.messages import AbortRoom, Done, Register
+from sglang.srt.disaggregation.transfer import TransferError
+from sglang.srt.managers.io_struct import ReqOutput, TokenizedGenerateReqInput
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.utils.ipc import get_zmq_socket
+
+logger = logging.getLogger(__name__)
+
+
+class _Timeout:
+    def __init__(self, room: int) -> None:
+        self.room = room
+
+
+def _check_abort_only(req: Req, *args, **kwargs) -> None:
+    """A prefill request's stop rules: only an abort finishes it here (the decode server applies
+    EOS / stop / length to the first token)."""
+    if req.to_abort is not None and req.finished_reason is None:
+        req.finished_reason = FINISH_ABORT(req.to_abort)
+
+
+class PrefillScheduler(Scheduler):
+    def __init__(self, server_args, *args, **kwargs) -> None:
+        super().__init__(server_args, *args, **kwargs)
+        group = self.tp_worker.world_group
+        cp = self.tp_worker.model_runner.cp_group
+        self.cp_rank, self.cp_size = (cp.rank, cp.world_size) if cp is not None else (0, 1)
+        self.group = group
+        self.pd = TransferEndpoint(server_args.disaggregation_transfer_backend, self.tp_worker)
+        self.ctx = zmq.Context(1)
+        self.push = PushSockets(self.ctx)
+        self.bootstrap = None
+        if group.rank == 0:
+            self.bootstrap = get_zmq_socket(self.ctx, zmq.PULL, f"tcp://*:{server_args.disaggregation_bootstrap_port}",
+                                            True)
+        self.pd_rooms: dict[int, Req] = {}  # every live request with a room
+        self.pd_waiting: dict[int, tuple[Req, float]] = {}  # prefilled, waiting for Register
+        self.pd_regs: dict[int, Register] = {}
+        self.pd_gone: dict[int, None] = {}  # rooms this side dropped: a late Register gets an error back
+        self.pd_out: list[ReqOutput] = []
+        self.pd_transfers = 0
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(self, recv: TokenizedGenerateReqInput) -> list[ReqOutput]:
+        outs = super().add_request(recv)
+        room = getattr(recv, "bootstrap_room", None)
+        if room is not None and self.waiting_queue and self.waiting_queue[-1].rid == recv.rid:
+            req = self.waiting_queue[-1]
+            req.bootstrap_room = room
+            req.check_finished = _check_abort_only.__get__(req)
+            self.pd_rooms[room] = req
+        return outs
+
+    def abort_request(self, rid: str) -> list[ReqOutput]:
+        for room, (req, _) in list(self.pd_waiting.items()):
+            if req.rid == rid:
+                self._fail(room, "aborted by client", 400, notify=True)
+                return self._take_out()
+        return super().abort_request(rid)
+
+    def on_prefill_finished(self, req: Req) -> None:
+        room = getattr(req, "bootstrap_room", None)
+        if room is None:  # no decode server paired (warm-up, health checks): the first token is all
+            req.finished_reason = FINISH_LENGTH(len(req.output_ids))
+            self.release_req(req)
+            return
+        self.pd_waiting[room] = (req, time.monotonic())
+
+    def has_work(self) -> bool:
+        return super().has_work() or bool(self.pd_waiting)
+
+    # -- one iteration ------------------------------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        self._poll_control()
+        outs = super().step()
+        self._progress()
+        return outs + self._take_out()
+
+    def _take_out(self) -> list[ReqOutput]:
+        outs, self.pd_out = self.pd_out, []
+        return outs
+
+    def _poll_control(self) -> None:
+        msgs = []
+        if self.bootstrap is not None:
+            idle = not super().has_work() and self.pd_waiting
+            msgs = drain(self.bootstrap, timeout_ms=5 if idle else 0)  # idle: wait briefly, do not spin
+            now = time.monotonic()
+            msgs += [_Timeout(room) for room, (_, t) in self.pd_waiting.items()
+                     if room not in self.pd_regs and now - t > BOOTSTRAP_TIMEOUT_S]
+        if not self.group.is_single:
+            msgs = self.group.broadcast_object(msgs)
+        for m in msgs:
+            if isinstance(m, Register):
+                if m.room in self.pd_gone:
+                    self.push.send(m.notify_addr, Done(m.room, self.cp_rank, self.cp_size,
+                                                       error="the request was dropped on the prefill server",
+                                                       status_code=503))
+                else:
+                    self.pd_regs[m.room] = m
+            elif isinstance(m, AbortRoom):
+                req = self.pd_rooms.get(m.room)
+                if m.room in self.pd_waiting:
+                    self._fail(m.room, "aborted on the decode server", 400, notify=False)
+                elif req is not None:
+                    self.pd_out += super().abort_request(req.rid)
+                    self.pd_regs.pop(m.room, None)
+            elif isinstance(m, _Timeout) and m.room in self.pd_waiting:
+                self._fail(m.room, f"no decode server registered for the request within {BOOTSTRAP_TIMEOUT_S:.0f}s",
+                           503, notify=False)
+        for room in [r for r, q in self.pd_rooms.items() if q.finished() and r not in self.pd_waiting]:
+            req = self.pd_rooms.pop(room)  # finished before its KV was ready (abort, error)
+            reg = self.pd_regs.pop(room, None)
+            if reg is not None:
+                self.push.send(reg.notify_addr, Done(room, self.cp_rank, self.cp_size, error=req.finished_reason.message
+                                                     if isinstance(req.finished_reason, FINISH_ABORT) else "dropped",
+                                                     status_code=503))
+            self._forget(room)
+
+    def _forget(self, room: int) -> None:
+        self.pd_gone[room] = None
+        while len(self.pd_gone) > 100_000:  # bounded: only late Registers need it
+            del self.pd_gone[next(iter(self.pd_gone))]
+
+    def _progress(self) -> None:
+        for room in [r for r in self.pd_waiting if r in self.pd_regs]:
+            self._send(room)
+
+    # -- transfer -----------------------------------------------------------------------------------
+    def _send(self, room: int) -> None:
+        req, _ = self.pd_waiting[room]
+        reg = self.pd_regs[room]
+        n = len(req.origin_input_ids)
+        error = layout_mismatch(self.pd.desc.meta, reg.meta)
+        if error is None and reg.num_tokens != n:
+            error = f"prompt length mismatch: prefill has {n} tokens, decode preallocated {reg.num_tokens}"
+        if error is not None:
+            logger.error("PD handshake refused for room %d: %s", room, error)
+            self._fail(room, f"PD handshake failed: {error}", 500, notify=True)
+            return
+        logical = request_pages(self.req_to_token_pool.read(req.req_pool_idx, n), self.page_size)
+        dst = torch.tensor(reg.dst_pages, dtype=torch.int64)
+        if len(dst) != len(logical):
+            self._fail(room, f"decode preallocated {len(dst)} pages for {len(logical)}", 500, notify=True)
+            return
+        src_pages, dst_pages = rank_pages(logical, dst, self.cp_rank, self.cp_size)
+        srcs, dsts, lens = copy_ops(self.pd.desc, reg.ptrs, src_pages, dst_pages)
+        self.pd.ops += len(lens)
+        t0 = time.perf_counter()
+        try:
+            self.pd.backend.write(reg.session_id, srcs, dsts, lens)
+        except TransferError as e:
+            logger.error("PD transfer for room %d failed: %s", room, e)
+            self._fail(room, f"KV transfer to the decode server failed: {e}", 503, notify=False)
+            return
+        self.pd.seconds += time.perf_counter() - t0
+        nbytes = sum(lens)
+        self.pd.bytes_moved += nbytes
+        self.pd.pages_moved += len(src_pages)
+        self.pd_transfers += 1
+        self.push.send(reg.notify_addr, Done(room, self.cp_rank, self.cp_size, req.output_ids[0], req.cached_tokens,
+                                             nbytes, len(src_pages), spec_state(self.tp_worker, req.req_pool_idx)))
+        req.finished_reason = FINISH_LENGTH(len(req.output_ids))
+        self._finish(room, req)
+
+    def _fail(self, room: int, message: str, status: int, notify: bool) -> None:
+        req, _ = self.pd_waiting[room]
+        reg = self.pd_regs.get(room)
+        if notify and reg is not None:
+            self.push.send(reg.notify_addr, Done(room, self.cp_rank, self.cp_size, error=message, status_code=status))
+        req.finished_reason = FINISH_ABORT(message, status)
+        self._finish(room, req)
+
+    def _finish(self, room: int, req: Req) -> None:
+        del self.pd_waiting[room]
+        self.pd_regs.pop(room, None)
+        self.pd_rooms.pop(room, None)
+        self._forget(room)
+        self.release_req(req)  # the one release place: into the radix cache (prefix hits here)
+        self.pd_out.append(self._make_output(req, []))
+
+    def get_stats(self):
+        stats = super().get_stats()
+        stats.disaggregation = {"mode": "prefill", "bytes_sent": self.pd.bytes_moved, "pages_sent": self.pd.pages_moved,
+                                "transfers": self.pd_transfers, "waiting": len(self.pd_waiting),
+                                "transfer_seconds": self.pd.seconds, "copy_ops": self.pd.ops}
+        return stats

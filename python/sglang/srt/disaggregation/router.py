@@ -1,0 +1,205 @@
+"""PD router: send each request to a prefill server and a decode server, answer from the decode one.
+
+    python -m sglang.srt.disaggregation.router --pd-disaggregation --prefill http://P:30000 [BOOTSTRAP_PORT]
+        --decode http://D:30001 [--host 127.0.0.1 --port 8000]
+
+(upstream's `sglang_router.launch_router` flags). Each request gets a random `bootstrap_room` and the
+prefill server's bootstrap address, then goes to both servers at once (the decode server
+preallocates while the prefill runs). The decode server's answer (JSON or SSE stream) is relayed
+as is; a prefill error answers the request (the decode side is cancelled); an unreachable or dying
+server gives a 502 with an OpenAI-style error body, and the other side's request is cancelled,
+which aborts it there and frees its slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import random
+from urllib.parse import urlparse
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+logger = logging.getLogger(__name__)
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
+
+
+def _error(status: int, message: str, err_type: str = "server_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": err_type, "param": None, "code": status}}, status)
+
+
+class PDRouter:
+    def __init__(self, prefill: list[tuple[str, int | None]], decode: list[str], timeout: float = 600.0) -> None:
+        self.prefill_urls = [u.rstrip("/") for u, _ in prefill]
+        self.bootstrap_ports = [p for _, p in prefill]
+        self.decode_urls = [u.rstrip("/") for u in decode]
+        self._rr = itertools.count()
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
+
+    async def resolve_bootstrap_ports(self) -> None:
+        """Ask each prefill server for its --disaggregation-bootstrap-port where not given."""
+        for i, url in enumerate(self.prefill_urls):
+            info = (await self.client.get(url + "/get_server_info")).json()
+            if info.get("disaggregation_mode") != "prefill":
+                raise RuntimeError(f"{url} is not a prefill server (--disaggregation-mode "
+                                   f"{info.get('disaggregation_mode')})")
+            if self.bootstrap_ports[i] is None:
+                self.bootstrap_ports[i] = int(info["disaggregation_bootstrap_port"])
+        for url in self.decode_urls:
+            info = (await self.client.get(url + "/get_server_info")).json()
+            if info.get("disaggregation_mode") != "decode":
+                raise RuntimeError(f"{url} is not a decode server")
+
+    def pick(self) -> tuple[str, str, int]:
+        k = next(self._rr)
+        i = k % len(self.prefill_urls)
+        p = self.prefill_urls[i]
+        return p, self.decode_urls[k % len(self.decode_urls)], self.bootstrap_ports[i]
+
+    async def handle(self, path: str, body: dict, headers: dict) -> Response:
+        if body.get("n", 1) != 1:
+            return _error(400, "n > 1 is not supported by the PD router (one room per request)", "invalid_request_error")
+        if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int) \
+                or isinstance(body.get("text"), list) or isinstance(body.get("input_ids", [0])[0] if
+                                                                     body.get("input_ids") else 0, list):
+            return _error(400, "batched prompts are not supported by the PD router: send one request per prompt",
+                          "invalid_request_error")
+        prefill, decode, bport = self.pick()
+        body = {**body, "bootstrap_host": urlparse(prefill).hostname, "bootstrap_port": bport,
+                "bootstrap_room": random.getrandbits(63)}
+        fwd = {k: v for k, v in headers.items() if k.lower() in ("authorization", "content-type")}
+        pre_body = {**body, "stream": False}
+        if "stream_options" in pre_body:
+            pre_body.pop("stream_options")
+        pre_task = asyncio.create_task(self.client.post(prefill + path, json=pre_body, headers=fwd))
+        stream = bool(body.get("stream"))
+        try:
+            req = self.client.build_request("POST", decode + path, json=body, headers=fwd)
+            dec_task = asyncio.create_task(self.client.send(req, stream=True))
+            done, _ = await asyncio.wait({pre_task, dec_task}, return_when=asyncio.FIRST_COMPLETED)
+            if pre_task in done and dec_task not in done:
+                pre_err = _failed(pre_task)
+                if pre_err is not None:
+                    dec_task.cancel()
+                    return pre_err
+            resp = await dec_task
+        except (httpx.HTTPError, OSError) as e:
+            pre_task.cancel()
+            return _error(502, f"decode server {decode} failed: {type(e).__name__}: {e}")
+        if not stream or resp.status_code != 200:
+            try:
+                data = await resp.aread()
+            except (httpx.HTTPError, OSError) as e:
+                pre_task.cancel()
+                return _error(502, f"decode server {decode} failed mid-response: {type(e).__name__}: {e}")
+            finally:
+                await resp.aclose()
+            await _settle(pre_task)
+            return Response(data, resp.status_code, media_type=resp.headers.get("content-type"))
+        return StreamingResponse(self._relay(resp, pre_task, decode), media_type="text/event-stream")
+
+    async def _relay(self, resp: httpx.Response, pre_task: asyncio.Task, decode: str):
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except (httpx.HTTPError, OSError) as e:
+            pre_task.cancel()
+            err = {"error": {"message": f"decode server {decode} failed mid-stream: {type(e).__name__}: {e}",
+                             "type": "server_error", "param": None, "code": 502}}
+            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await resp.aclose()
+            await _settle(pre_task)
+
+
+def _failed(task: asyncio.Task) -> Response | None:
+    """The prefill's answer as the request's answer when it is an error (None when it is fine)."""
+    try:
+        r = task.result()
+    except (httpx.HTTPError, OSError) as e:
+        return _error(502, f"prefill server failed: {type(e).__name__}: {e}")
+    if r.status_code >= 400:
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+    return None
+
+
+async def _settle(task: asyncio.Task) -> None:
+    try:
+        await task
+    except (asyncio.CancelledError, httpx.HTTPError, OSError):
+        pass
+
+
+def create_app(router: PDRouter) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await router.resolve_bootstrap_ports()
+        yield
+        await router.client.aclose()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/health")
+    async def health() -> Response:
+        for url in router.prefill_urls + router.decode_urls:
+            try:
+                r = await router.client.get(url + "/health", timeout=5)
+                if r.status_code != 200:
+                    return _error(503, f"{url} is not healthy ({r.status_code})")
+            except (httpx.HTTPError, OSError) as e:
+                return _error(503, f"{url} is unreachable: {e}")
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        r = await router.client.get(router.decode_urls[0] + "/v1/models")
+        return Response(r.content, r.status_code, media_type="application/json")
+
+    for path in ROUTES:
+        async def route(request: Request, _path: str = path) -> Response:
+            try:
+                body = await request.json()
+            except ValueError:
+                return _error(400, "request body is not valid JSON", "invalid_request_error")
+            if not isinstance(body, dict):
+                return _error(400, "request body must be a JSON object", "invalid_request_error")
+            return await router.handle(_path, body, dict(request.headers))
+
+        app.add_api_route(path, route, methods=["POST"])
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m sglang.srt.disaggregation.router")
+    ap.add_argument("--pd-disaggregation", action="store_true", help="PD mode (the only mode of this router).")
+    ap.add_argument("--prefill", nargs="+", action="append", required=True, metavar=("URL", "BOOTSTRAP_PORT"),
+                    help="A prefill server, optionally with its bootstrap port (default: asked from the server).")
+    ap.add_argument("--decode", action="append", required=True, metavar="URL", help="A decode server.")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    args = ap.parse_args(argv)
+    if not args.pd_disaggregation:
+        ap.error("--pd-disaggregation is required (this router only routes prefill/decode pairs)")
+    for p in args.prefill:
+        if len(p) > 2 or (len(p) == 2 and not p[1].isdigit()):
+            ap.error(f"--prefill takes URL [BOOTSTRAP_PORT], got {p}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    prefill = [(p[0], int(p[1]) if len(p) == 2 else None) for p in args.prefill]
+    router = PDRouter(prefill, args.decode, args.request_timeout)
+    uvicorn.run(create_app(router), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,382 @@
+"""Prefill/decode disaggregation (issue 23).
+
+In-process (fake transfer backend): a PrefillScheduler and a DecodeScheduler in this process, stepped
+alternately, produce the same greedy tokens as one combined Scheduler; the bytes moved equal the
+pages that must move; radix hits on the prefill side; IndexCache freq 4; page sizes 1 and 64;
+EAGLE (draft KV + draft state); a layout mismatch fails at the handshake with a message naming it;
+aborts on either side free both sides; a skipped copy diverges (negative control).
+
+Real processes (Mooncake over TCP): prefill + decode + router vs one combined server (page 1 / 64,
+single, batched, streaming, /generate, radix hits), a CP = 2 prefill (gloo) sending only its own
+pages, the handshake mismatch, and a decode server killed mid-transfer (502/503, nothing leaks).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import random
+import signal
+
+import openai
+import pytest
+import requests
+
+from sglang.srt.disaggregation.common import free_port
+from sglang.srt.disaggregation.decode import DecodeScheduler
+from sglang.srt.disaggregation.kv_layout import bytes_per_page
+from sglang.srt.disaggregation.prefill import PrefillScheduler
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.testing.pd import PDSetup
+from sglang.srt.testing.server import ServerProcess
+
+MODEL = "builtin:tiny-deepseek-v32"
+_rooms = itertools.count(1000)
+
+
+def _args(**kw) -> ServerArgs:
+    kw.setdefault("max_total_tokens", 8192)
+    return ServerArgs(model_path=MODEL, device="cpu", random_seed=0, log_level="error", **kw).resolve()
+
+
+def _pair(page_size: int = 1, prefill_kw: dict | None = None, decode_kw: dict | None = None, **kw):
+    port = free_port()
+    common = dict(page_size=page_size, disaggregation_transfer_backend="fake", disaggregation_bootstrap_port=port, **kw)
+    p = PrefillScheduler(_args(disaggregation_mode="prefill", **common, **(prefill_kw or {})))
+    d = DecodeScheduler(_args(disaggregation_mode="decode", **common, **(decode_kw or {})))
+    return p, d, port
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 900) for _ in range(rng.randrange(3, 150))] for _ in range(n)]
+
+
+def _req(rid: str, ids: list[int], max_new: int, room: int | None = None, port: int | None = None):
+    sp = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
+    sp.normalize()
+    return TokenizedGenerateReqInput(rid, ids, sp, bootstrap_host="127.0.0.1" if room is not None else None,
+                                     bootstrap_port=port, bootstrap_room=room)
+
+
+def _combined(prompts, max_new: int, page_size: int = 1, **kw) -> list[list[int]]:
+    s = Scheduler(_args(page_size=page_size, **kw))
+    for i, ids in enumerate(prompts):
+        s.add_request(_req(f"r{i}", ids, max_new))
+    toks, done = {f"r{i}": [] for i in range(len(prompts))}, set()
+    while s.has_work():
+        for o in s.step():
+            toks[o.rid] += o.new_token_ids
+            if o.finished_reason:
+                done.add(o.rid)
+    assert done == set(toks)
+    return [toks[f"r{i}"] for i in range(len(prompts))]
+
+
+def _run_pd(p, d, port, prompts, max_new: int, step_limit: int = 5000):
+    """Send every prompt to both servers (same room), step both until the decode side finished."""
+    rids = [f"q{next(_rooms)}" for _ in prompts]
+    finals, pouts = {}, {}
+    for rid, ids in zip(rids, prompts):
+        room = next(_rooms)
+        p.add_request(_req(rid, ids, max_new, room, port))
+        d.add_request(_req(rid, ids, max_new, room, port))
+    toks = {rid: [] for rid in rids}
+    for _ in range(step_limit):
+        if not (p.has_work() or d.has_work()):
+            break
+        for o in p.step():
+            if o.finished_reason:
+                pouts[o.rid] = o
+        for o in d.step():
+            toks[o.rid] += o.new_token_ids
+            if o.finished_reason:
+                finals[o.rid] = o
+    assert not p.has_work() and not d.has_work(), "PD did not finish"
+    return [toks[r] for r in rids], [finals.get(r) for r in rids], [pouts.get(r) for r in rids]
+
+
+def _no_leak(*scheds) -> None:
+    for s in scheds:
+        assert s.kv_leak_report() is None, s.kv_leak_report()
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_pd_matches_combined_greedy(page_size):
+    prompts = _prompts(6, seed=page_size)
+    want = _combined(prompts, 12, page_size)
+    p, d, port = _pair(page_size)
+    got, finals, _ = _run_pd(p, d, port, prompts, 12)
+    assert got == want
+    assert all(f.finished_reason["type"] == "length" for f in finals)
+    # bytes moved == the prompt's pages x bytes per page (MLA + index K of every layer), nothing more
+    pages = sum(-(-len(x) // page_size) for x in prompts)
+    ps, ds = p.get_stats().disaggregation, d.get_stats().disaggregation
+    assert ps["pages_sent"] == ds["pages_received"] == pages
+    assert ps["bytes_sent"] == ds["bytes_received"] == pages * bytes_per_page(p.pd.desc.meta)
+    _no_leak(p, d)
+
+
+def test_pd_single_request_and_prefill_radix_hits():
+    base = _prompts(1, seed=7)[0][:60]
+    prompts = [base + [11, 12, 13], base + [21, 22]]
+    want = _combined(prompts, 8)
+    p, d, port = _pair()
+    got1, _, _ = _run_pd(p, d, port, prompts[:1], 8)
+    got2, finals, pouts = _run_pd(p, d, port, prompts[1:], 8)
+    assert got1 + got2 == want
+    assert pouts[0].cached_tokens >= 60  # the second prompt hit the first one's KV on the prefill side
+    assert finals[0].cached_tokens == pouts[0].cached_tokens  # reported to the client by the decode side
+    _no_leak(p, d)
+
+
+def test_pd_indexcache_freq4():
+    ic = dict(nsa_index_topk_freq=4, nsa_index_topk_offset=2)
+    prompts = _prompts(4, seed=3)
+    want = _combined(prompts, 10, **ic)
+    p, d, port = _pair(**ic)
+    lay = p.tp_worker.model_runner.token_to_kv_pool.layout()
+    assert 0 < len(lay.index_layer_ids) < lay.layer_num  # only full layers hold (and move) index K
+    got, _, _ = _run_pd(p, d, port, prompts, 10)
+    assert got == want
+    names = [(b.layer_id, b.name) for b in p.pd.desc.meta.buffers if b.name == "index_k"]
+    assert [lid for lid, _ in names] == list(lay.index_layer_ids)
+    _no_leak(p, d)
+
+
+def test_pd_layout_mismatch_fails_at_handshake():
+    p, d, port = _pair(prefill_kw=dict(nsa_index_topk_freq=4, nsa_index_topk_offset=2))
+    _, finals, pouts = _run_pd(p, d, port, _prompts(1), 5)
+    f = finals[0].finished_reason
+    assert f["type"] == "abort" and "handshake" in f["message"] and "index-K layer ids" in f["message"], f
+    assert pouts[0].finished_reason["type"] == "abort"
+    assert p.get_stats().disaggregation["bytes_sent"] == 0
+    _no_leak(p, d)
+
+
+def test_pd_decode_abort_frees_both_sides():
+    p, d, port = _pair()
+    prompts = _prompts(2, seed=5)
+    rids = ["a0", "a1"]
+    for rid, ids in zip(rids, prompts):
+        room = next(_rooms)
+        p.add_request(_req(rid, ids, 50, room, port))
+        d.add_request(_req(rid, ids, 50, room, port))
+    d.step()  # registered (preallocated) before the prefill ran
+    outs = d.abort_request("a0")
+    assert outs and outs[0].finished_reason["type"] == "abort"
+    finals = {}
+    for _ in range(2000):
+        if not (p.has_work() or d.has_work()):
+            break
+        p.step()
+        for o in d.step():
+            if o.finished_reason:
+                finals[o.rid] = o
+    assert "a0" not in finals and finals["a1"].finished_reason["type"] == "length"
+    _no_leak(p, d)
+
+
+def test_flags_validated():
+    with pytest.raises(ServerArgsError, match="disaggregation-mode"):
+        _args(disaggregation_mode="both")
+    with pytest.raises(ServerArgsError, match="disaggregation-bootstrap-port"):
+        _args(disaggregation_mode="decode", disaggregation_transfer_backend="fake", disaggregation_bootstrap_port=0)
+
+
+def test_pd_speculative_moves_draft_kv_and_matches_combined():
+    """EAGLE on both sides: the draft's KV moves with the target's (same page list), the draft's first
+    proposal and hidden state ride in Done; greedy tokens equal a combined speculative server."""
+    spec = dict(speculative_algorithm="EAGLE", speculative_num_steps=3)
+    global MODEL
+    model, MODEL = MODEL, "builtin:tiny-deepseek-v32-mtp"
+    try:
+        prompts = _prompts(4, seed=13)
+        want = _combined(prompts, 16, **spec)
+        p, d, port = _pair(**spec)
+        assert {b.pool for b in p.pd.desc.meta.buffers} == {"target", "draft"}
+        got, _, _ = _run_pd(p, d, port, prompts, 16)
+        assert got == want
+        pages = sum(len(x) for x in prompts)
+        assert d.get_stats().disaggregation["bytes_received"] == pages * bytes_per_page(p.pd.desc.meta)
+        assert d.tp_worker.num_verify_steps > 0  # the decode side really ran verifies
+        _no_leak(p, d)
+    finally:
+        MODEL = model
+
+
+def test_pd_decode_really_reads_the_transferred_kv(monkeypatch):
+    """Negative control: with the copy skipped the decode side attends over zeros and diverges."""
+    from sglang.srt.disaggregation.transfer import FakeBackend
+
+    prompts = _prompts(3, seed=11)
+    want = _combined(prompts, 12)
+    monkeypatch.setattr(FakeBackend, "write", lambda self, peer, srcs, dsts, lens: None)
+    p, d, port = _pair()
+    got, _, _ = _run_pd(p, d, port, prompts, 12)
+    assert [g[0] for g in got] == [w[0] for w in want]  # the first token is the prefill's
+    assert got != want
+
+
+# -- real servers: prefill + decode + router (Mooncake over TCP) vs one combined server ---------------
+SERVER_ARGS = ("--max-total-tokens", "8192", "--random-seed", "0")
+TEXTS = ["The quick brown fox", "Once upon a time in a land far away, there lived", "1, 2, 3, 4,",
+         "def fibonacci(n):", "Paris is the capital of", "Q: what is 7 times 6?\nA:"]
+
+
+def _complete(base_url: str, prompt: str, max_tokens: int = 12):
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+    return client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0)
+
+
+def _idle_no_leak(server: ServerProcess) -> dict:
+    return server.wait_state(lambda st: st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0
+                             and st["kv_leak"] is None and not (st["disaggregation"] or {}).get("waiting")
+                             and st["kv_free_tokens"] + st["kv_cached_tokens"] == st["kv_total_tokens"]
+                             and not (st["disaggregation"] or {}).get("transferring"), "idle without leaks")
+
+
+@pytest.mark.parametrize("page_size", ["1", "64"])
+def test_servers_router_match_combined(page_size):
+    args = (*SERVER_ARGS, "--page-size", page_size)
+    with ServerProcess(MODEL, *args) as combined:
+        want = {t: _complete(combined.base_url, t).choices[0].text for t in TEXTS}
+    with PDSetup(MODEL, *args) as pd:
+        single = _complete(pd.base_url, TEXTS[0])
+        assert single.choices[0].text == want[TEXTS[0]]
+        with concurrent.futures.ThreadPoolExecutor(len(TEXTS)) as ex:  # batched on both servers
+            got = dict(zip(TEXTS, ex.map(lambda t: _complete(pd.base_url, t), TEXTS)))
+        assert {t: r.choices[0].text for t, r in got.items()} == want
+        # streaming through the router: the same text
+        client = openai.OpenAI(base_url=pd.base_url + "/v1", api_key="x", max_retries=0)
+        chunks = client.completions.create(model="default", prompt=TEXTS[1], max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want[TEXTS[1]]
+        # radix hit on the prefill side, reported by the decode side
+        long = _complete(pd.base_url, "Once upon a time " * 12)  # > 2 pages of 64
+        again = _complete(pd.base_url, "Once upon a time " * 12 + "a dragon")
+        assert again.usage.prompt_tokens_details.cached_tokens >= 64
+        ps, ds = _idle_no_leak(pd.prefill), _idle_no_leak(pd.decode)
+        p = int(page_size)
+        usages = [single.usage.prompt_tokens] + [r.usage.prompt_tokens for r in got.values()] + \
+                 [got[TEXTS[1]].usage.prompt_tokens, long.usage.prompt_tokens, again.usage.prompt_tokens]
+        pages = sum(-(-n // p) for n in usages)
+        pd_p, pd_d = ps["disaggregation"], ds["disaggregation"]
+        assert pd_p["pages_sent"] == pd_d["pages_received"] == pages
+        assert pd_p["bytes_sent"] == pd_d["bytes_received"] == pages * pd_d["bytes_per_page"]
+
+
+def test_server_layout_mismatch_fails_at_handshake():
+    with PDSetup(MODEL, *SERVER_ARGS, prefill_args=("--nsa-index-topk-freq", "4", "--nsa-index-topk-offset", "2")) as pd:
+        r = requests.post(pd.base_url + "/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 4},
+                          timeout=120)
+        assert r.status_code >= 500, r.text
+        msg = r.json()["error"]["message"]
+        assert "handshake" in msg and "index-K layer ids" in msg, msg
+        _idle_no_leak(pd.prefill)
+        _idle_no_leak(pd.decode)
+
+
+def test_killed_decode_server_mid_transfer():
+    long_prompt = " ".join(f"w{i}" for i in range(700))  # ~2.4K tokens, prefilled in 64-token chunks
+    with PDSetup(MODEL, *SERVER_ARGS, "--chunked-prefill-size", "64") as pd:
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(requests.post, pd.base_url + "/v1/completions",
+                            json={"model": "default", "prompt": long_prompt, "max_tokens": 50}, timeout=120)
+            # the decode side has preallocated and registered: its KV is on the way
+            pd.decode.wait_state(lambda st: (st["disaggregation"] or {}).get("transferring") == 1, "transferring")
+            pd.decode.proc.send_signal(signal.SIGKILL)
+            r = fut.result()
+        assert r.status_code in (502, 503), r.text
+        assert r.json()["error"]["message"] and r.json()["error"]["type"] == "server_error"
+        st = _idle_no_leak(pd.prefill)  # the prefill side freed the request's pages
+        assert st["kv_free_tokens"] + st["kv_cached_tokens"] == st["kv_total_tokens"]
+        assert requests.get(pd.prefill.base_url + "/health", timeout=10).status_code == 200
+
+
+def test_mooncake_missing_is_a_startup_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # import fails as if not installed
+    with pytest.raises(ServerArgsError, match="mooncake-transfer-engine"):
+        _args(disaggregation_mode="prefill", disaggregation_transfer_backend="mooncake")
+
+
+def test_cp2_prefill_sends_only_its_pages():
+    """Prefill with context parallel (cp = 2, gloo): each rank writes only the pages it owns; the
+    decode server commits after both ranks' Done and decodes cp = 1's greedy tokens."""
+    args = (*SERVER_ARGS, "--page-size", "16")
+    prompts = TEXTS[:3] + ["Long context " * 30]
+    with ServerProcess(MODEL, *args) as combined:
+        want = [_complete(combined.base_url, t).choices[0].text for t in prompts]
+    cp = ("--tp-size", "2", "--attn-cp-size", "2", "--enable-nsa-prefill-context-parallel")
+    with PDSetup(MODEL, *args, prefill_args=cp) as pd:
+        got = [_complete(pd.base_url, t) for t in prompts]
+        assert [r.choices[0].text for r in got] == want
+        ps, ds = _idle_no_leak(pd.prefill), _idle_no_leak(pd.decode)
+        pages = sum(-(-r.usage.prompt_tokens // 16) for r in got)
+        assert ds["disaggregation"]["pages_received"] == pages
+        assert ds["disaggregation"]["bytes_received"] == pages * ds["disaggregation"]["bytes_per_page"]
+        rank0 = ps["disaggregation"]["pages_sent"]  # the stats come from CP rank 0
+        assert 0 < rank0 < pages, (rank0, pages)  # no rank sends (or holds) the full KV
+
+
+def test_native_generate_through_router():
+    """/generate (upstream's native API) through the router, streaming, equals the combined server."""
+    body = {"input_ids": list(range(5, 60)), "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    with ServerProcess(MODEL, *SERVER_ARGS) as combined:
+        want = requests.post(combined.base_url + "/generate", json=body, timeout=120).json()["output_ids"]
+    with PDSetup(MODEL, *SERVER_ARGS) as pd:
+        got = requests.post(pd.base_url + "/generate", json=body, timeout=120).json()["output_ids"]
+        assert got == want
+        with requests.post(pd.base_url + "/generate", json={**body, "stream": True}, stream=True, timeout=120) as r:
+            events = [line for line in r.iter_lines() if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]" and b'"finish_reason": {"type": "length"' in events[-2]
+
+
+def test_pd_prefill_abort_frees_both_sides():
+    """A client abort on the prefill side after the prefill (KV waiting for the decode side) frees
+    the prefill's pages and fails the decode side's request, which frees its preallocation."""
+    p, d, port = _pair()
+    room = next(_rooms)
+    ids = _prompts(1, seed=17)[0]
+    p.add_request(_req("b0", ids, 20, room, port))
+    for _ in range(200):  # prefill, without the decode side registering yet
+        p.step()
+        if p.pd_waiting:
+            break
+    assert p.pd_waiting
+    d.add_request(_req("b0", ids, 20, room, port))
+    d.step()  # registers
+    outs = p.abort_request("b0")
+    assert outs[0].finished_reason["type"] == "abort"
+    finals = {}
+    for _ in range(2000):
+        if not (p.has_work() or d.has_work()):
+            break
+        p.step()
+        for o in d.step():
+            if o.finished_reason:
+                finals[o.rid] = o
+    assert finals["b0"].finished_reason["type"] == "abort", finals
+    _no_leak(p, d)
+
+
+def test_cp2_prefill_with_speculative_decode():
+    """CP = 2 prefill + EAGLE on both servers: draft KV pages move per rank like the target's, the
+    draft state comes from rank 0; tokens equal a combined EAGLE server."""
+    model = "builtin:tiny-deepseek-v32-mtp"
+    args = (*SERVER_ARGS, "--page-size", "16", "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3")
+    prompts = TEXTS[:2] + ["Long context " * 30]
+    with ServerProcess(model, *args) as combined:
+        want = [_complete(combined.base_url, t).choices[0].text for t in prompts]
+    cp = ("--tp-size", "2", "--attn-cp-size", "2", "--enable-nsa-prefill-context-parallel")
+    with PDSetup(model, *args, prefill_args=cp) as pd:
+        got = [_complete(pd.base_url, t) for t in prompts]
+        assert [r.choices[0].text for r in got] == want
+        ds = _idle_no_leak(pd.decode)["disaggregation"]
+        _idle_no_leak(pd.prefill)
+        pages = sum(-(-r.usage.prompt_tokens // 16) for r in got)
+        assert ds["pages_received"] == pages and ds["bytes_received"] == pages * ds["bytes_per_page"]

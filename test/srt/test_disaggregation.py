@@ -21,6 +21,7 @@ import signal
 import openai
 import pytest
 import requests
+import torch
 
 from sglang.srt.disaggregation.common import free_port
 from sglang.srt.disaggregation.decode import DecodeScheduler
@@ -153,6 +154,33 @@ def test_pd_layout_mismatch_fails_at_handshake():
     f = finals[0].finished_reason
     assert f["type"] == "abort" and "handshake" in f["message"] and "index-K layer ids" in f["message"], f
     assert pouts[0].finished_reason["type"] == "abort"
+    assert p.get_stats().disaggregation["bytes_sent"] == 0
+    _no_leak(p, d)
+
+
+def test_pd_fp8_kv_moves_fp8_pages_and_matches_combined():
+    """--kv-cache-dtype fp8_e4m3 on both sides: raw FP8 rows move (layout() row bytes, not the model
+    dtype's), and decode gives the combined FP8 server's tokens."""
+    fp8 = dict(kv_cache_dtype="fp8_e4m3")
+    prompts = _prompts(4, seed=5)
+    want = _combined(prompts, 10, 64, **fp8)
+    p, d, port = _pair(64, **fp8)
+    lay = p.tp_worker.model_runner.token_to_kv_pool.layout()
+    assert (lay.dtype, lay.kv_cache_dtype) == (torch.uint8, "fp8_e4m3")
+    got, _, _ = _run_pd(p, d, port, prompts, 10)
+    assert got == want
+    pages = sum(-(-len(x) // 64) for x in prompts)
+    assert p.get_stats().disaggregation["bytes_sent"] == pages * bytes_per_page(p.pd.desc.meta)
+    assert bytes_per_page(p.pd.desc.meta) == 64 * (lay.layer_num * lay.kv_row_bytes) + lay.index_k_bytes_per_page * len(
+        lay.index_layer_ids)
+    _no_leak(p, d)
+
+
+def test_pd_fp8_prefill_to_auto_decode_fails_at_handshake():
+    p, d, port = _pair(prefill_kw=dict(kv_cache_dtype="fp8_e4m3"))
+    _, finals, _ = _run_pd(p, d, port, _prompts(1), 5)
+    f = finals[0].finished_reason
+    assert f["type"] == "abort" and "handshake" in f["message"], f
     assert p.get_stats().disaggregation["bytes_sent"] == 0
     _no_leak(p, d)
 

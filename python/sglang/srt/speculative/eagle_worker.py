@@ -269,7 +269,7 @@ class EAGLEWorker:
         self.next_draft[slots] = dlo.next_token_logits.argmax(dim=-1)
         self.draft_hidden[slots] = dlo.hidden_states.to(self.draft_hidden.dtype)
         self.kv_len[slots] = base + accepted + 1
-        return SpecDecodeOutput(self, b, n, picks, accepted, sample)
+        return SpecDecodeOutput(self, batch, n, picks, accepted, sample)
 
     @torch.inference_mode()
     def _decode_cp(self, batch: ScheduleBatch) -> GenerationBatchResult:
@@ -305,7 +305,7 @@ class EAGLEWorker:
         self._draft_extend(reqs, batch.prefix_lens, [a + 1 for a in acc], picks.reshape(-1)[keep],
                            lo.hidden_states[keep], topk, batch.out_cache_loc[keep])
         self.kv_len[slots] = torch.tensor(batch.prefix_lens, device=self.device) + accepted + 1
-        return SpecDecodeOutput(self, b, n, picks, accepted, sample).to_host()
+        return SpecDecodeOutput(self, batch, n, picks, accepted, sample).to_host()
 
     @torch.inference_mode()
     def _decode_without_drafts(self, batch: ScheduleBatch) -> GenerationBatchResult:
@@ -338,9 +338,9 @@ class SpecDecodeOutput:
     (picks, acceptance, logprobs); `to_host()` waits for them and builds the result: per request
     the accepted drafts plus the target's own next token, accept_lens = accepted + 1."""
 
-    def __init__(self, worker: EAGLEWorker, b: int, n: int, picks: torch.Tensor, accepted: torch.Tensor,
+    def __init__(self, worker: EAGLEWorker, batch: ScheduleBatch, n: int, picks: torch.Tensor, accepted: torch.Tensor,
                  sample) -> None:
-        self.worker, self.b, self.n = worker, b, n
+        self.worker, self.batch, self.b, self.n = worker, batch, len(batch.reqs), n
         self.picks, self.accepted = _to_host_async(picks), _to_host_async(accepted)
         self.logprobs = _to_host_async(sample.next_token_logprobs) if sample.next_token_logprobs is not None else None
         self.top_logprobs = sample.top_logprobs
@@ -353,8 +353,13 @@ class SpecDecodeOutput:
         if self.copy_done is not None:
             self.copy_done.synchronize()
         acc, rows, n = self.accepted.tolist(), self.picks.tolist(), self.n
-        self.worker.num_verify_steps += self.b
-        self.worker.num_accepted_drafts += sum(acc)
+        # Acceptance statistics count the rows whose results apply: not a step launched (under
+        # overlap) for a request that the step before it finished, nor one of a retracted request.
+        batch = self.batch
+        live = [i for i, r in enumerate(batch.reqs)
+                if not r.finished() and not (batch.req_epochs and batch.req_epochs[i] != r.epoch)]
+        self.worker.num_verify_steps += len(live)
+        self.worker.num_accepted_drafts += sum(acc[i] for i in live)
         res = GenerationBatchResult(next_token_ids=[rows[i][: a + 1] for i, a in enumerate(acc)],
                                     accept_lens=[a + 1 for a in acc])
         if self.logprobs is not None:

@@ -136,27 +136,15 @@ class HiRadixCache(RadixCache):
         return new
 
     def match_prefix(self, key: list[int]) -> MatchResult:
-        key = list(key[: self._align(len(key))])
-        node, values, host_len = self.root, [], 0
+        values, host_len = [], 0
         last_device = last_host = self.root
-        now = time.monotonic()
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                break
-            n = self._match_len(child.key, key)
-            if n == 0:
-                break
-            child.last_access_time = now
-            if n < len(child.key):
-                child = self._split(child, n)
+        for child in self._walk(key):
             if child.on_device:
                 values.append(child.value)
                 last_device = child
             else:
-                host_len += n
+                host_len += len(child.key)
                 last_host = child
-            node, key = child, key[n:]
         indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
         return MatchResult(indices, last_device, host_len, last_host if host_len else None)
 

@@ -71,26 +71,31 @@ class RadixCache(BasePrefixCache):
         child.key, child.value = child.key[at:], child.value[at:]
         return new
 
-    # -- API --------------------------------------------------------------------------------------
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def _walk(self, key: list[int]):
+        """The nodes along the longest page-aligned cached prefix of `key`, in order, touched for
+        LRU; a node matched only in part is split first, so each yielded node is matched whole.
+        The one walk behind every match (radix and HiRadix)."""
         key = list(key[: self._align(len(key))])
-        node, values = self.root, []
+        node = self.root
         now = time.monotonic()
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
-                break
+                return
             n = self._match_len(child.key, key)
             if n == 0:
-                break
+                return
             child.last_access_time = now
             if n < len(child.key):
                 child = self._split(child, n)
-            values.append(child.value)
-            node = child
-            key = key[n:]
-        indices = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
-        return MatchResult(indices, node)
+            yield child
+            node, key = child, key[n:]
+
+    # -- API --------------------------------------------------------------------------------------
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        nodes = list(self._walk(key))
+        indices = torch.cat([n.value for n in nodes]) if nodes else torch.empty(0, dtype=torch.int64)
+        return MatchResult(indices, nodes[-1] if nodes else self.root)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Insert a page-aligned key; returns how many leading tokens were already cached (their

@@ -75,13 +75,23 @@ class GenerationBatchResult:
             off += c
 
 
-def _to_host_async(t: torch.Tensor) -> torch.Tensor:
+def to_host_async(t: torch.Tensor) -> torch.Tensor:
     """Queue a device->host copy into pinned memory (a no-op on CPU)."""
     if t.device.type == "cpu":
         return t
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
+
+
+def copies_done_event(t: torch.Tensor) -> "torch.cuda.Event | None":
+    """An event recorded after the copies queued so far (None on CPU, where they are done):
+    `to_host()` of a launched step waits on it, never on the whole device."""
+    if t.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class BatchOutputCopy:
@@ -95,14 +105,11 @@ class BatchOutputCopy:
         self.hidden = None
         if fb.capture_hidden_mode == CaptureHiddenMode.FULL and logits_output.hidden_states is not None:
             self.hidden = _start_hidden_copy(batch, logits_output.hidden_states)
-        self.ids = _to_host_async(sample.next_token_ids)
+        self.ids = to_host_async(sample.next_token_ids)
         self.logprobs = None
         if sample.next_token_logprobs is not None:
-            self.logprobs = _to_host_async(sample.next_token_logprobs)
-        self.copy_done = None
-        if sample.next_token_ids.device.type == "cuda":
-            self.copy_done = torch.cuda.Event()
-            self.copy_done.record()
+            self.logprobs = to_host_async(sample.next_token_logprobs)
+        self.copy_done = copies_done_event(sample.next_token_ids)
 
     def to_host(self) -> GenerationBatchResult:
         if self.copy_done is not None:

@@ -10,12 +10,16 @@ d1 for position c + 1 plus its last hidden state are kept per request slot. The 
 allocates N = num_steps + 1 rows, positions [c, c + N).
 1. draft: d2..dS from S - 1 one-layer decode steps at positions c .. c + S - 2 (its own pool;
    replayed from CUDA graphs of `draft_decode_spec` on GPUs);
-2. verify: the target extends [x, d1..dS] at positions c .. c + S and picks a token per row (the
+2. verify: the target computes [x, d1..dS] at positions c .. c + S -- decode-shaped, a row per
+   token over the request's slot (`target_verify_spec`) -- and picks a token per row (the
    request's own sampler: greedy argmax, or a draw with the seed step plain decoding would use);
    a = leading rows whose draft equals the target's pick; the step produces those a + 1 picks
    and commits a + 1 rows (`accept_lens`); the scheduler frees the pages of the rest;
-3. draft extend: the draft recomputes positions c .. c + a from the target's hidden states and
-   the accepted tokens, which gives the next step's d1.
+3. draft extend: the draft recomputes positions c .. c + S from the target's hidden states and
+   its picks, and takes the next step's d1 from row a (rows past a are rewritten by the next
+   step before anything reads them). c lives on the device (`kv_len`), so nothing of a step is
+   read back before `to_host` and the overlap scheduler launches the next step meanwhile.
+   Under prefill CP the step is host-synchronous instead (`_decode_cp`).
 Every produced token is the target's own pick given exactly the tokens before it, so greedy
 output equals plain decoding, and sampling keeps the target's distribution: accepting the draft d
 exactly when it equals the target's draw is rejection sampling for a deterministic (argmax) draft
@@ -46,7 +50,12 @@ from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.managers.overlap_utils import FUTURE_TOKEN, Pending
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.scheduler_output_processor import BatchOutputCopy, GenerationBatchResult, _to_host_async
+from sglang.srt.managers.scheduler_output_processor import (
+    BatchOutputCopy,
+    GenerationBatchResult,
+    copies_done_event,
+    to_host_async,
+)
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.model_executor.cuda_graph_runner import GraphSpec, StaticInput
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
@@ -211,6 +220,20 @@ class EAGLEWorker:
             output_ids=[r.output_ids for r in reqs for _ in range(n)],
             seeds_step=[len(r.output_ids) + j for r in reqs for j in range(n)])
 
+    def _draft_chain(self, reqs: list[Req], slots: torch.Tensor, chain_batch, kv_lens) -> torch.Tensor:
+        """[B, S] drafts: d1 from the last draft extend, d2..dS from S - 1 one-row draft steps;
+        `chain_batch(k, ids, hidden)` builds step k's batch, `kv_lens()` gives the committed KV
+        lengths the draft_override test hook reads."""
+        drafts, hidden = [self.next_draft[slots]], self.draft_hidden[slots]
+        for k in range(1, self.num_steps):
+            lo = self.draft_runner.forward(chain_batch(k, drafts[-1], hidden))
+            drafts.append(lo.next_token_logits.argmax(dim=-1))
+            hidden = lo.hidden_states
+        drafts = torch.stack(drafts, dim=1)
+        if self.draft_override is not None:
+            drafts = self.draft_override(reqs, drafts, kv_lens()).to(drafts)
+        return drafts
+
     def _sample_verify(self, reqs: list[Req], logits: torch.Tensor, drafts: torch.Tensor, slots: torch.Tensor):
         """Each verified row's pick (the request's own sampler), the accepted draft count per request
         (leading drafts equal to the target's picks) and the last accepted token into the table."""
@@ -229,7 +252,7 @@ class EAGLEWorker:
         request's committed KV length on the device (`kv_len`), so the step can be launched before
         the previous step's acceptance reaches the host (overlap). Every forward is decode-shaped
         (one row per token over the request's slot); nothing is read back until `to_host`."""
-        reqs, n, s, b = batch.reqs, self.num_tokens_per_req, self.num_steps, len(batch.reqs)
+        reqs, n, b = batch.reqs, self.num_tokens_per_req, len(batch.reqs)
         dev = self.device
         slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
         r2t = self.req_to_token_pool
@@ -238,18 +261,13 @@ class EAGLEWorker:
         pos = base[:, None] + torch.arange(n, device=dev)[None, :]  # [b, n]
         loc = r2t.req_to_token[slots[:, None], pos].long()  # [b, n] KV slots the scheduler allocated
         bound = [p + n for p in batch.prefix_lens]  # host: allocation start >= c, so c + n <= bound
-        # 1. draft chain: d1 from the last draft extend, d2..dS from S - 1 one-row steps
-        drafts, hidden = [self.next_draft[slots]], self.draft_hidden[slots]
-        for k in range(1, s):
-            fb = ForwardBatch.build_decode_rows(drafts[-1], slots, pos[:, k - 1], loc[:, k - 1],
-                                                [x - n + k for x in bound],
-                                                capture_hidden_mode=CaptureHiddenMode.LAST, spec_hidden_states=hidden)
-            lo = self.draft_runner.forward(fb)
-            drafts.append(lo.next_token_logits.argmax(dim=-1))
-            hidden = lo.hidden_states
-        drafts = torch.stack(drafts, dim=1)
-        if self.draft_override is not None:  # test hook: it may read the device
-            drafts = self.draft_override(reqs, drafts, base.tolist()).to(drafts)
+
+        # 1. draft chain (step k at position c + k - 1)
+        def chain_batch(k: int, ids: torch.Tensor, hidden: torch.Tensor) -> ForwardBatch:
+            return ForwardBatch.build_decode_rows(ids, slots, pos[:, k - 1], loc[:, k - 1], [x - n + k for x in bound],
+                                                  capture_hidden_mode=CaptureHiddenMode.LAST, spec_hidden_states=hidden)
+
+        drafts = self._draft_chain(reqs, slots, chain_batch, lambda: base.tolist())  # (the test hook may read)
         # 2. verify [x, d1..dS] (target_verify_spec: CUDA graphs)
         ids = torch.cat([self.token_table.table[slots][:, None], drafts], dim=1).reshape(-1)
         rows = slots.repeat_interleave(n)
@@ -280,19 +298,15 @@ class EAGLEWorker:
         slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self.device)
         loc = batch.out_cache_loc.view(b, n)
         rows = [r.req_pool_idx for r in reqs]
-        drafts, hidden = [self.next_draft[slots]], self.draft_hidden[slots]
-        for k in range(1, self.num_steps):
-            fb = ForwardBatch.build(ForwardMode.DECODE, drafts[-1], rows, [c + k - 1 for c in batch.prefix_lens],
-                                    [1] * b, loc[:, k - 1], device=self.device,
-                                    capture_hidden_mode=CaptureHiddenMode.LAST, spec_hidden_states=hidden,
-                                    cp_split_by_slot_owner=True)
+
+        def chain_batch(k: int, ids: torch.Tensor, hidden: torch.Tensor) -> ForwardBatch:
+            fb = ForwardBatch.build(ForwardMode.DECODE, ids, rows, [c + k - 1 for c in batch.prefix_lens], [1] * b,
+                                    loc[:, k - 1], device=self.device, capture_hidden_mode=CaptureHiddenMode.LAST,
+                                    spec_hidden_states=hidden, cp_split_by_slot_owner=True)
             self._set_host_ids(fb)
-            lo = self.draft_runner.forward(fb)
-            drafts.append(lo.next_token_logits.argmax(dim=-1))
-            hidden = lo.hidden_states
-        drafts = torch.stack(drafts, dim=1)
-        if self.draft_override is not None:
-            drafts = self.draft_override(reqs, drafts, list(batch.prefix_lens)).to(drafts)
+            return fb
+
+        drafts = self._draft_chain(reqs, slots, chain_batch, lambda: list(batch.prefix_lens))
         ids = torch.cat([self.token_table.table[slots][:, None], drafts], dim=1).reshape(-1)
         fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, batch.prefix_lens, [n] * b, batch.out_cache_loc,
                                 device=self.device, return_all_logits=True, capture_hidden_mode=CaptureHiddenMode.FULL)
@@ -341,13 +355,10 @@ class SpecDecodeOutput:
     def __init__(self, worker: EAGLEWorker, batch: ScheduleBatch, n: int, picks: torch.Tensor, accepted: torch.Tensor,
                  sample) -> None:
         self.worker, self.batch, self.b, self.n = worker, batch, len(batch.reqs), n
-        self.picks, self.accepted = _to_host_async(picks), _to_host_async(accepted)
-        self.logprobs = _to_host_async(sample.next_token_logprobs) if sample.next_token_logprobs is not None else None
+        self.picks, self.accepted = to_host_async(picks), to_host_async(accepted)
+        self.logprobs = to_host_async(sample.next_token_logprobs) if sample.next_token_logprobs is not None else None
         self.top_logprobs = sample.top_logprobs
-        self.copy_done = None
-        if picks.device.type == "cuda":
-            self.copy_done = torch.cuda.Event()
-            self.copy_done.record()
+        self.copy_done = copies_done_event(picks)
 
     def to_host(self) -> GenerationBatchResult:
         if self.copy_done is not None:

@@ -20,11 +20,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "..", p) for p in ("python", "sgl-kernel")]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import median_ms  # noqa: E402
 
 # (name, N, K) of V3.2 dense projections: q_a 7168->1536, q_b 1536->24576, kv_a 7168->576,
 # o_proj 16384->7168, shared-expert gate_up 7168->4096, lm_head slice 7168->16384
@@ -32,20 +33,6 @@ SHAPES = [("q_a", 1536, 7168), ("q_b", 24576, 1536), ("kv_a", 576, 7168), ("o_pr
           ("gate_up", 4096, 7168), ("lm_head/8", 16160, 7168)]
 SMOKE_SHAPES = [("tiny", 96, 128)]
 ROUNDS = 3
-
-
-def _time(fn, device: str, repeats: int) -> float:
-    if device == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
 
 
 def run(device: str, smoke: bool, repeats: int) -> list[dict]:
@@ -66,8 +53,8 @@ def run(device: str, smoke: bool, repeats: int) -> list[dict]:
                 raise AssertionError(f"{name} M={m}: rel {rel} or rows not invariant")
             t = {"default": [], "invariant": []}
             for _ in range(ROUNDS):
-                t["default"].append(_time(lambda: torch.nn.functional.linear(x, w), device, repeats))
-                t["invariant"].append(_time(lambda: matmul(x, w.t()), device, repeats))
+                t["default"].append(median_ms(lambda: torch.nn.functional.linear(x, w), device, repeats, gpu_rep_ms=100))
+                t["invariant"].append(median_ms(lambda: matmul(x, w.t()), device, repeats, gpu_rep_ms=100))
             d, i = statistics.median(t["default"]), statistics.median(t["invariant"])
             rows.append({"op": f"linear {name}", "M": m, "N": n, "K": k, "ms_default": d, "ms_invariant": i,
                          "slowdown": i / d, "TFLOPs_invariant": 2 * m * n * k / i / 1e9, "rel_err": rel})
@@ -77,8 +64,9 @@ def run(device: str, smoke: bool, repeats: int) -> list[dict]:
         x = torch.randn(m, hid, generator=g).to(device, dtype)
         t = {"default": [], "invariant": []}
         for _ in range(ROUNDS):
-            t["default"].append(_time(lambda: norm(x), device, repeats))
-            t["invariant"].append(_time(lambda: rms_norm(x, norm.weight, norm.variance_epsilon), device, repeats))
+            t["default"].append(median_ms(lambda: norm(x), device, repeats, gpu_rep_ms=100))
+            t["invariant"].append(median_ms(lambda: rms_norm(x, norm.weight, norm.variance_epsilon), device, repeats,
+                                            gpu_rep_ms=100))
         d, i = statistics.median(t["default"]), statistics.median(t["invariant"])
         rows.append({"op": "rms_norm", "M": m, "N": hid, "K": 0, "ms_default": d, "ms_invariant": i,
                      "slowdown": i / d})

@@ -21,30 +21,16 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "..", p) for p in ("python", "sgl-kernel")]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import median_ms  # noqa: E402
 
 H, C, R, K_TOP = 128, 512, 64, 2048  # V3.2 MLA heads, latent, rope, index_topk
 V32_LAYERS = 61  # layers with MLA KV (and, at IndexCache freq 1, FP8 index K: 132 B/token each)
 ROUNDS = 3
-
-
-def _time(fn, device: str, repeats: int) -> float:
-    """Median ms of fn (after one warm-up call: JIT compile / autotune stay out)."""
-    if device == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def capacity(budget_gib: float = 80.0) -> dict:
@@ -107,7 +93,7 @@ def bench_mla(device: str, smoke: bool, repeats: int, g: torch.Generator) -> lis
         for _ in range(ROUNDS):
             for name, kv in (("bf16", kv_bf16), ("fp8", kv_fp8)):
                 args = (q_lat, q_rope, kv, c, r2t, pidx, tok_req, pos, topk, c**-0.5)
-                ms[name].append(_time(lambda: mla_attention(*args, **kw), device, repeats))
+                ms[name].append(median_ms(lambda: mla_attention(*args, **kw), device, repeats))
         row.update(ms_bf16=statistics.median(ms["bf16"]), ms_fp8=statistics.median(ms["fp8"]))
         row["speedup_fp8"] = row["ms_bf16"] / row["ms_fp8"]
         key_bytes = {"bf16": 2 * (c + r), "fp8": fmt.row_bytes(c, r)}
@@ -134,7 +120,7 @@ def bench_store(device: str, smoke: bool, repeats: int, g: torch.Generator) -> l
         ms = {"bf16": [], "fp8": []}
         for _ in range(ROUNDS):
             for name, buf in bufs.items():
-                ms[name].append(_time(lambda: store_mla_kv(buf, loc, lat, rope), device, repeats))
+                ms[name].append(median_ms(lambda: store_mla_kv(buf, loc, lat, rope), device, repeats))
         row.update({f"ms_{k}": statistics.median(v) for k, v in ms.items()})
         row["speedup_fp8"] = row["ms_bf16"] / row["ms_fp8"]
         rows.append(row)

@@ -1,0 +1,25 @@
+"""Kernel timing shared by the kernel benchmarks: the median milliseconds of `fn`.
+
+GPU: triton.testing.do_bench (warm-up and repeats inside, median); CPU (the Triton interpreter or
+torch's CPU kernels): one untimed call (JIT compile / autotune stay out), then the median of
+`repeats` wall-clock calls."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+
+def median_ms(fn: Callable[[], object], device: str, repeats: int, gpu_rep_ms: int = 200) -> float:
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=gpu_rep_ms, return_mode="median")
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

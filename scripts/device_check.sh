@@ -11,6 +11,7 @@
 #   parity: our model on cuda vs transformers on cpu;  server: the HTTP server on the GPU vs the offline Engine
 #   bench-kernels / bench-attn: MLA / indexer / top-k / fused MoE kernels vs the GPU's copy and matmul ceilings
 #   bench-e2e: engine vs transformers generate (V3.2 and GLM-5 shapes);  bench-v32 / bench-glm: IndexCache
+#   pd: prefill + decode servers on this GPU (cuda_ipc) vs one combined server under a mixed load
 # Everything runs on builtin tiny models or random weights of the real shapes: no download, no checkpoint.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +65,9 @@ for step in $steps; do
     server)  # the HTTP server on the GPU (device auto -> cuda, page size 64) vs the offline Engine
       timeout 300 python3 -m pytest -q -x -p no:cacheprovider test/srt/test_server_openai.py 2>&1 \
         | tail -8 | tee "$OUT/server.txt" ;;
+    pd)  # PD_ARGS: extra bench_pd_mixed.py flags (e.g. --long-len 8192)
+      timeout ${BENCH_TIMEOUT:-540} python3 benchmark/pd/bench_pd_mixed.py --backend cuda_ipc --out-dir "$OUT" \
+        ${PD_ARGS:-} 2>&1 | grep -v "it/s" | tail -60 | tee "$OUT/pd.txt" ;;
     bench-v32|bench-glm)
       shape=$([ "$step" = bench-v32 ] && echo deepseek-v32 || echo glm-5)
       timeout ${BENCH_TIMEOUT:-300} python3 benchmark/indexcache/bench_indexcache.py --shape $shape --device cuda \

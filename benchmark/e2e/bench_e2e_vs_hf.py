@@ -39,14 +39,15 @@ SMOKE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, n
              index_head_dim=64, index_topk=32, vocab_size=1024, max_position_embeddings=4096)
 
 
-def make_config_dir(shape: str, layers: int, smoke: bool) -> str:
+def make_config_dir(shape: str, layers: int, smoke: bool, **overrides) -> str:
+    """A checkpoint folder without weights (config + tokenizer) for --load-format dummy."""
     import transformers
 
     from sglang.srt.model_loader.tiny_models import build_tokenizer
 
     cfg_name, arch = CONFIG_CLASSES[shape]
     cfg = getattr(transformers, cfg_name)(num_hidden_layers=layers, first_k_dense_replace=1,
-                                          **(SMOKE if smoke else {}))
+                                          **{**(SMOKE if smoke else {}), **overrides})
     cfg.architectures = [arch]
     d = tempfile.mkdtemp(prefix=f"sglang-e2e-{shape}-")
     cfg.save_pretrained(d)

@@ -1,7 +1,7 @@
 """PD disaggregation vs one combined server (issue 23), CPU: TTFT, decode tokens/s, KV transfer
 bandwidth vs a raw Mooncake loopback copy measured in the same run.
 
-    python benchmark/pd/bench_pd.py [--prompt-len 1024 --max-new-tokens 64 --requests 12]
+    python benchmark/pd/bench_pd.py [--prompt-len 1024 --max-new-tokens 64 --requests 12] [--v32-kv]
 
 Starts a combined server, and a prefill + decode server (Mooncake over TCP) behind the PD router;
 sends the same prompts (token ids, one at a time, streaming) alternately to each side; TTFT = time to
@@ -9,7 +9,9 @@ the first streamed token, decode tok/s = (tokens - 1) / (last - first token time
 bandwidth = bytes the prefill server wrote / seconds inside its transfer calls (its counters), per
 request; right after each PD request a raw copy moves the same bytes between two Mooncake engines
 in this process (servers still up, same load), once as one range and once split into the same
-number of ranges the server used; medians of the per-request values.
+number of ranges the server used; medians of the per-request values. `--v32-kv`: a small model
+(dummy weights) whose KV rows have DeepSeek-V3.2's widths (MLA 512 + 64, index K 128; 8 layers), so a
+request moves megabytes rather than the builtin tiny model's ~1.6 KB per token.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
 
 from sglang.srt.disaggregation.transfer import MooncakeBackend  # noqa: E402
 from sglang.srt.testing.pd import PDSetup  # noqa: E402
@@ -82,12 +85,21 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "pd_cpu.json"))
+    ap.add_argument("--v32-kv", action="store_true", help="KV rows of V3.2's widths (dummy weights, 8 layers)")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.out = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                        "pd_cpu_v32kv.json" if args.v32_kv else "pd_cpu.json")
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 900) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     sargs = ("--max-total-tokens", "16384", "--random-seed", "0", "--page-size", str(args.page_size),
              "--disable-radix-cache")  # every prompt is computed and moved in full
+    if args.v32_kv:
+        from bench_e2e_vs_hf import make_config_dir
+
+        args.model = make_config_dir("deepseek-v32", 8, True, kv_lora_rank=512, qk_rope_head_dim=64,
+                                     index_head_dim=128)
+        sargs += ("--load-format", "dummy", "--device", "cpu")
     res = {"combined": {"ttft": [], "tps": []}, "pd": {"ttft": [], "tps": []}}
     with ServerProcess(args.model, *sargs) as comb, PDSetup(args.model, *sargs) as pd:
         for url in (comb.base_url, pd.base_url):  # warm-up

@@ -408,3 +408,154 @@ def test_cp2_prefill_with_speculative_decode():
         _idle_no_leak(pd.prefill)
         pages = sum(-(-r.usage.prompt_tokens // 16) for r in got)
         assert ds["pages_received"] == pages and ds["bytes_received"] == pages * ds["bytes_per_page"]
+
+
+def test_transfer_runs_off_the_scheduler_thread(monkeypatch):
+    """A slow KV write does not stall the prefill scheduler: while request A's write is held, the
+    scheduler prefills B; A's pages stay allocated until the write ended (never reused while read);
+    then both decode to the combined server's tokens, and nothing leaks."""
+    import threading
+
+    from sglang.srt.disaggregation.transfer import FakeBackend
+
+    release, started, real_write = threading.Event(), threading.Event(), FakeBackend.write
+
+    def held_write(self, peer, srcs, dsts, lens):
+        started.set()
+        assert release.wait(60), "the test never released the write"
+        real_write(self, peer, srcs, dsts, lens)
+
+    monkeypatch.setattr(FakeBackend, "write", held_write)
+    prompts = _prompts(2, seed=21)
+    want = _combined(prompts, 6)
+    p, d, port = _pair()
+    rooms = [next(_rooms), next(_rooms)]
+    p.add_request(_req("x0", prompts[0], 6, rooms[0], port))
+    d.add_request(_req("x0", prompts[0], 6, rooms[0], port))
+    toks = {"x0": [], "x1": []}
+    for _ in range(500):  # until A's write has started (and is held)
+        p.step()
+        toks_d = d.step()
+        for o in toks_d:
+            toks[o.rid] += o.new_token_ids
+        if started.is_set():
+            break
+    assert started.wait(60) and p.pd_inflight
+    a = p.pd_inflight[rooms[0]].req
+    free_before = p.allocator.available_size()
+    p.add_request(_req("x1", prompts[1], 6, rooms[1], port))
+    d.add_request(_req("x1", prompts[1], 6, rooms[1], port))
+    for _ in range(500):  # B is prefilled while A's write is still held
+        p.step()
+        for o in d.step():
+            toks[o.rid] += o.new_token_ids
+        if rooms[1] in p.pd_inflight or rooms[1] in p.pd_waiting:
+            break
+    assert rooms[0] in p.pd_inflight and a.req_pool_idx is not None  # A's pages are still held
+    assert p.allocator.available_size() < free_before  # B's prefill took pages of its own
+    assert toks["x0"] == []  # the decode side has not committed A
+    release.set()
+    for _ in range(5000):
+        if not (p.has_work() or d.has_work()):
+            break
+        p.step()
+        for o in d.step():
+            toks[o.rid] += o.new_token_ids
+    assert [toks["x0"], toks["x1"]] == want
+    assert p.get_stats().disaggregation["transfers"] == 2
+    _no_leak(p, d)
+
+
+def test_abort_during_a_write_frees_pages_only_after_it(monkeypatch):
+    """A decode-side abort while the prefill's write runs: the prefill keeps the pages the write
+    reads until it ended, then frees them; the decode side keeps its preallocation until the
+    prefill answered; nothing leaks on either side."""
+    import threading
+
+    from sglang.srt.disaggregation.transfer import FakeBackend
+
+    release, started, real_write = threading.Event(), threading.Event(), FakeBackend.write
+
+    def held_write(self, peer, srcs, dsts, lens):
+        started.set()
+        assert release.wait(60), "the test never released the write"
+        real_write(self, peer, srcs, dsts, lens)
+
+    monkeypatch.setattr(FakeBackend, "write", held_write)
+    p, d, port = _pair()
+    room, ids = next(_rooms), _prompts(1, seed=23)[0]
+    p.add_request(_req("y0", ids, 20, room, port))
+    d.add_request(_req("y0", ids, 20, room, port))
+    for _ in range(500):
+        p.step()
+        d.step()
+        if started.is_set():
+            break
+    assert started.wait(60)
+    outs = d.abort_request("y0")
+    assert outs[0].finished_reason["type"] == "abort"
+    for _ in range(20):  # the AbortRoom arrives; the write still runs
+        p.step()
+        d.step()
+    f = p.pd_inflight[room]
+    assert f.abort is not None and f.req.req_pool_idx is not None
+    assert room in d.pd_transfers  # decode keeps its pages: a late write must not land in reused ones
+    release.set()
+    for _ in range(2000):
+        if not (p.has_work() or d.has_work()):
+            break
+        p.step()
+        d.step()
+    assert not p.pd_inflight and not d.pd_transfers
+    assert p.get_stats().disaggregation["transfers"] == 0
+    _no_leak(p, d)
+
+
+def test_cuda_ipc_backend_copies_into_the_peers_mapping(monkeypatch):
+    """cuda_ipc's address translation on CPU tensors (the IPC mapping itself needs a GPU: the
+    exported handles are replaced by the peer's tensors): ranges land at the peer's offsets, bytes
+    outside registered regions fail, an unknown peer fails."""
+    from sglang.srt.disaggregation.transfer import CudaIpcBackend, TransferError
+
+    src_bufs = [torch.arange(64, dtype=torch.float32).reshape(8, 8), torch.arange(100, 132, dtype=torch.int8)]
+    dst_bufs = [torch.zeros(8, 8), torch.zeros(32, dtype=torch.int8)]
+    a, b = CudaIpcBackend(), CudaIpcBackend()
+    for t in src_bufs:
+        a.local.add(t.data_ptr(), t.reshape(-1).view(torch.uint8))
+    monkeypatch.setattr(CudaIpcBackend, "_open", staticmethod(
+        lambda exported: [(t.data_ptr(), t.reshape(-1).view(torch.uint8)) for t in dst_bufs]))
+    with pytest.raises(TransferError, match="not connected"):
+        a.write(b.session_id, [src_bufs[0].data_ptr()], [dst_bufs[0].data_ptr()], [4])
+    with pytest.raises(TransferError, match="exported no CUDA IPC handles"):
+        a.connect(b.session_id, None)
+    a.connect(b.session_id, b"handles")
+    row = 8 * 4
+    a.write(b.session_id, [src_bufs[0].data_ptr() + 2 * row, src_bufs[1].data_ptr() + 4],
+            [dst_bufs[0].data_ptr() + 5 * row, dst_bufs[1].data_ptr()], [2 * row, 8])
+    want0 = torch.zeros(8, 8)
+    want0[5:7] = src_bufs[0][2:4]
+    assert torch.equal(dst_bufs[0], want0)
+    assert dst_bufs[1][:8].tolist() == list(range(104, 112)) and not dst_bufs[1][8:].any()
+    with pytest.raises(TransferError, match="outside the registered regions"):
+        a.write(b.session_id, [src_bufs[0].data_ptr()], [dst_bufs[0].data_ptr() + 7 * row], [2 * row])
+
+
+def test_transfer_worker_survives_a_failed_write():
+    from sglang.srt.disaggregation.transfer import TransferBackend, TransferTask, TransferWorker
+
+    class Flaky(TransferBackend):
+        session_id = "flaky"
+
+        def register(self, ptr, nbytes):
+            pass
+
+        def write(self, peer, srcs, dsts, lens):
+            if peer == "dead":
+                raise ConnectionError("peer gone")
+
+    w = TransferWorker(Flaky())
+    bad = w.submit(TransferTask(1, "dead", [0], [0], [8]))
+    good = w.submit(TransferTask(2, "alive", [0], [0], [8]))
+    assert bad.done.wait(30) and good.done.wait(30)
+    assert "peer gone" in bad.error and good.error is None
+    w.close()

@@ -222,7 +222,8 @@ class ServerArgs:
                                   "to a decode server), decode (receive KV, then decode) or null (both here).",
                                   "disaggregation", DISAGGREGATION_MODES)
     disaggregation_transfer_backend: str = _f("mooncake", "KV transfer engine: mooncake (Mooncake Transfer Engine; "
-                                              "TCP on CPU, RDMA where NICs exist) or fake (in-process, tests only).",
+                                              "TCP on CPU, RDMA where NICs exist), cuda_ipc (servers on one host's GPUs: "
+                                              "device-to-device copies) or fake (in-process, tests only).",
                                               "disaggregation", TRANSFER_BACKENDS)
     disaggregation_bootstrap_port: int = _f(8998, "Prefill server: port where decode servers register the pages a "
                                             "request's KV goes to (CP rank 0 listens).", "disaggregation")
@@ -557,6 +558,12 @@ def _check_disaggregation(args: ServerArgs) -> None:
         reason = mooncake_import_error()
         if reason:
             raise ServerArgsError("disaggregation_transfer_backend", reason)
+    if args.disaggregation_transfer_backend == "cuda_ipc":
+        import torch
+
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise ServerArgsError("disaggregation_transfer_backend", "cuda_ipc needs the KV pools on a CUDA GPU "
+                                  "(use mooncake on CPU machines)")
 
 
 _VALIDATORS.append(_check_disaggregation)

@@ -3,7 +3,9 @@ page, into the KV pools of a decode server, which then decodes; a router pairs t
 
 Modules (upstream names where upstream has them):
 - `transfer.py`: the data plane behind one interface (`TransferBackend`): `fake` (in-process
-  memmove, tests) and `mooncake` (Mooncake Transfer Engine, TCP here, RDMA in production).
+  memmove, tests), `mooncake` (Mooncake Transfer Engine, TCP here, RDMA in production) and
+  `cuda_ipc` (servers on one host's GPUs: device-to-device copies into the peer's mapped pools);
+  `TransferWorker` runs the writes off the scheduler thread.
 - `kv_layout.py`: what moves -- each pool's page payloads (MLA KV, index K of full IndexCache layers,
   the draft's KV), the metadata validated at the handshake, and the page-run copy list.
 - `messages.py`: the control plane's typed messages (ZMQ, pickled).
@@ -20,7 +22,7 @@ field), and once the prompt is prefilled each prefill CP rank writes only the pa
 from __future__ import annotations
 
 DISAGGREGATION_MODES = ["null", "prefill", "decode"]
-TRANSFER_BACKENDS = ["mooncake", "fake"]
+TRANSFER_BACKENDS = ["mooncake", "cuda_ipc", "fake"]
 
 
 def scheduler_class(server_args):

@@ -10,7 +10,7 @@ import torch
 import zmq
 
 from sglang.srt.disaggregation.kv_layout import PoolsDesc, describe_pools
-from sglang.srt.disaggregation.transfer import TransferBackend, create_backend
+from sglang.srt.disaggregation.transfer import TransferBackend, TransferWorker, create_backend
 from sglang.srt.utils.ipc import get_zmq_socket
 
 # Seconds a prefilled request waits for its decode server to register before it is failed (and
@@ -54,13 +54,15 @@ def set_spec_state(worker, slot: int, kv_len: int, state: tuple[int, bytes] | No
 
 
 class TransferEndpoint:
-    """This rank's transfer backend with every pool buffer registered."""
+    """This rank's transfer backend with every pool buffer registered; a sender's writes run on
+    its `TransferWorker` thread."""
 
-    def __init__(self, backend_name: str, worker) -> None:
+    def __init__(self, backend_name: str, worker, sender: bool = False) -> None:
         self.desc: PoolsDesc = describe_pools(server_pools(worker))
         self.backend: TransferBackend = create_backend(backend_name, local_host())
         for t in self.desc.tensors:
-            self.backend.register(t.data_ptr(), t.numel() * t.element_size())
+            self.backend.register_tensor(t)
+        self.worker = TransferWorker(self.backend) if sender else None
         self.bytes_moved = 0
         self.pages_moved = 0
         self.ops = 0

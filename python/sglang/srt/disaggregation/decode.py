@@ -49,6 +49,7 @@ class DecodeScheduler(Scheduler):
     def __init__(self, server_args, *args, **kwargs) -> None:
         super().__init__(server_args, *args, **kwargs)
         self.pd = TransferEndpoint(server_args.disaggregation_transfer_backend, self.tp_worker)
+        self._exported = self.pd.backend.export()
         self.ctx = zmq.Context(1)
         self.push = PushSockets(self.ctx)
         self.notify = self.ctx.socket(zmq.PULL)
@@ -134,7 +135,8 @@ class DecodeScheduler(Scheduler):
                 self.num_prompt_tokens += n
             pages = request_pages(self.req_to_token_pool.read(req.req_pool_idx, n), ps)
             self.push.send(req.pd_prefill_addr, Register(req.bootstrap_room, self.notify_addr, self.pd.backend.session_id,
-                                                         self.pd.desc.meta, self.pd.desc.ptrs, pages.tolist(), n))
+                                                         self.pd.desc.meta, self.pd.desc.ptrs, pages.tolist(), n,
+                                                         self._exported))
             self.pd_transfers[req.bootstrap_room] = _Transfer(req, req.pd_prefill_addr, time.monotonic())
 
     def _poll(self, timeout_ms: int = 0) -> None:

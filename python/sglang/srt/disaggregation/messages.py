@@ -18,6 +18,7 @@ class Register:
     ptrs: list[int]
     dst_pages: list[int]  # the decode pool's pages for the prompt, in position order
     num_tokens: int  # prompt length the pages hold
+    exported: bytes | None = None  # what the sender's engine needs to reach `ptrs` (CUDA IPC handles)
 
 
 @dataclass

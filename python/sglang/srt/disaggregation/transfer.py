@@ -1,17 +1,30 @@
 """The PD data plane: write byte ranges of local registered memory into a peer's registered memory.
 
-One interface (`TransferBackend`) so another engine (NIXL, a GPU IPC copy) can plug in:
-`session_id` names this endpoint to peers, `register(ptr, nbytes)` exposes a region (a KV buffer),
-`write(peer, srcs, dsts, lens)` copies synchronously and raises `TransferError` on failure (a dead
-peer), so the caller can free its pages and fail the request instead of hanging.
+One interface (`TransferBackend`) so another engine (NIXL, ...) can plug in: `session_id` names
+this endpoint to peers, `register_tensor(t)` exposes a region (a KV buffer), `export()` is what a peer
+needs besides the session id to reach those regions (None for engines with their own handshake),
+`connect(peer, exported)` takes it on the writer's side, and `write(peer, srcs, dsts, lens)` copies
+synchronously and raises `TransferError` on failure (a dead peer), so the caller can free its pages
+and fail the request instead of hanging.
+
+`TransferWorker` runs the writes on a thread of their own, so a scheduler never waits on the
+network: the engines release the GIL while they copy.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import ctypes
 import itertools
+import pickle
+import queue
 import threading
+import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
 
 
 class TransferError(RuntimeError):
@@ -23,6 +36,15 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def register_tensor(self, t: torch.Tensor) -> None:
+        self.register(t.data_ptr(), t.numel() * t.element_size())
+
+    def export(self) -> bytes | None:
+        return None
+
+    def connect(self, peer: str, exported: bytes | None) -> None:
+        pass
 
     @abstractmethod
     def write(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None: ...
@@ -95,11 +117,147 @@ class MooncakeBackend(TransferBackend):
             raise TransferError(f"Mooncake transfer to {peer} failed ({rc})")
 
 
+class _Regions:
+    """Registered regions as uint8 tensors, found by address (sorted starts, no overlaps)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.views: list[torch.Tensor] = []
+
+    def add(self, ptr: int, view: torch.Tensor) -> None:
+        i = bisect.bisect(self.starts, ptr)
+        self.starts.insert(i, ptr)
+        self.views.insert(i, view)
+
+    def slice(self, ptr: int, n: int) -> torch.Tensor:
+        i = bisect.bisect(self.starts, ptr) - 1
+        if i < 0 or ptr + n > self.starts[i] + self.views[i].numel():
+            raise TransferError(f"{n} bytes at {ptr:#x} are outside the registered regions")
+        off = ptr - self.starts[i]
+        return self.views[i][off:off + n]
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class CudaIpcBackend(TransferBackend):
+    """Servers on one host's GPUs (two processes on one GPU too): the receiver exports CUDA IPC
+    handles of its KV buffers, the writer maps them once per peer and copies device to device on a
+    stream of its own (NVLink / the GPU's own memory, no host bounce)."""
+
+    def __init__(self, hostname: str = "127.0.0.1") -> None:
+        import os
+        import uuid
+
+        self.session_id = f"cuda_ipc:{hostname}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.local = _Regions()
+        self.tensors: list[torch.Tensor] = []
+        self.peers: dict[str, _Regions] = {}
+        self.stream = None
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        raise TypeError("CudaIpcBackend exposes tensors: use register_tensor")
+
+    def register_tensor(self, t: torch.Tensor) -> None:
+        if t.device.type != "cuda":
+            raise ValueError("--disaggregation-transfer-backend cuda_ipc needs the KV pools on a CUDA device")
+        self.local.add(t.data_ptr(), _byte_view(t))
+        self.tensors.append(t)
+
+    def export(self) -> bytes:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return pickle.dumps([(t.data_ptr(), reduce_tensor(_byte_view(t))) for t in self.tensors])
+
+    @staticmethod
+    def _open(exported: bytes) -> list[tuple[int, torch.Tensor]]:
+        """(the peer's address, this process's mapping) of every exported buffer."""
+        return [(ptr, rebuild(*args)) for ptr, (rebuild, args) in pickle.loads(exported)]
+
+    def connect(self, peer: str, exported: bytes | None) -> None:
+        if peer in self.peers:
+            return
+        if exported is None:
+            raise TransferError(f"peer {peer} exported no CUDA IPC handles (--disaggregation-transfer-backend must "
+                                "match on both servers)")
+        regions = _Regions()
+        for ptr, view in self._open(exported):
+            regions.add(ptr, view)
+        self.peers[peer] = regions
+
+    def write(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
+        remote = self.peers.get(peer)
+        if remote is None:
+            raise TransferError(f"CUDA IPC peer {peer} is not connected")
+        if not srcs:
+            return
+        first = self.local.slice(srcs[0], lens[0])
+        if first.device.type == "cuda" and self.stream is None:
+            self.stream = torch.cuda.Stream(first.device)
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with ctx:
+            for s, d, n in zip(srcs, dsts, lens):
+                remote.slice(d, n).copy_(self.local.slice(s, n), non_blocking=True)
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+@dataclass
+class TransferTask:
+    """One request's writes on one rank; `done` is set when they finished (`error` None) or failed."""
+
+    room: int
+    peer: str
+    srcs: list[int]
+    dsts: list[int]
+    lens: list[int]
+    ready: object | None = None  # a CUDA event recorded after the forward that wrote the pages
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    seconds: float = 0.0  # inside backend.write
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.lens)
+
+
+class TransferWorker:
+    """A thread that runs a backend's writes in submission order."""
+
+    def __init__(self, backend: TransferBackend) -> None:
+        self.backend = backend
+        self._q: queue.SimpleQueue[TransferTask | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pd-transfer", daemon=True)
+        self._thread.start()
+
+    def submit(self, task: TransferTask) -> TransferTask:
+        self._q.put(task)
+        return task
+
+    def _run(self) -> None:
+        while (task := self._q.get()) is not None:
+            try:
+                if task.ready is not None:
+                    task.ready.synchronize()
+                t0 = time.perf_counter()
+                self.backend.write(task.peer, task.srcs, task.dsts, task.lens)
+                task.seconds = time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001 -- any failure fails this request, never the thread
+                task.error = f"{type(e).__name__}: {e}" if not isinstance(e, TransferError) else str(e)
+            task.done.set()
+
+    def close(self) -> None:
+        self._q.put(None)
+
+
 def create_backend(name: str, hostname: str = "127.0.0.1") -> TransferBackend:
     if name == "fake":
         return FakeBackend(hostname)
     if name == "mooncake":
         return MooncakeBackend(hostname)
+    if name == "cuda_ipc":
+        return CudaIpcBackend(hostname)
     raise ValueError(f"unknown disaggregation transfer backend {name!r}")
 
 

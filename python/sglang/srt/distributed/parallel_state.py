@@ -42,6 +42,16 @@ class GroupCoordinator:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def all_reduce_host(self, x: torch.Tensor, op: str = "min") -> torch.Tensor:
+        """A host tensor reduced over the gloo cpu_group (scheduler decisions every rank must share)."""
+        if self.is_single:
+            return x
+        if self.cpu_group is None:
+            raise RuntimeError("all_reduce_host needs the group's gloo cpu_group (init_distributed makes it)")
+        dist.all_reduce(x, op={"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}[op],
+                        group=self.cpu_group)
+        return x
+
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """A host object from rank `src` to every rank, over the gloo cpu_group (never the device)."""
         if self.is_single:

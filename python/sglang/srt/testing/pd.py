@@ -47,12 +47,13 @@ class PDSetup:
     """prefill + decode servers (same model and flags) and a router in front of them."""
 
     def __init__(self, model: str, *args: str, prefill_args: tuple = (), decode_args: tuple = (),
-                 backend: str = "mooncake") -> None:
+                 backend: str = "mooncake", timeout: float = 180.0) -> None:
         common = ("--disaggregation-transfer-backend", backend, *args)
         self.prefill = ServerProcess(model, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
-                                     str(free_port()), *common, *prefill_args)
+                                     str(free_port()), *common, *prefill_args, timeout=timeout)
         try:
-            self.decode = ServerProcess(model, "--disaggregation-mode", "decode", *common, *decode_args)
+            self.decode = ServerProcess(model, "--disaggregation-mode", "decode", *common, *decode_args,
+                                        timeout=timeout)
             self.router = RouterProcess(self.prefill.base_url, self.decode.base_url)
         except BaseException:
             self.stop()

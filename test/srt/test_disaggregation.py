@@ -4,7 +4,9 @@ In-process (fake transfer backend): a PrefillScheduler and a DecodeScheduler in 
 alternately, produce the same greedy tokens as one combined Scheduler; the bytes moved equal the
 pages that must move; radix hits on the prefill side; IndexCache freq 4; page sizes 1 and 64;
 EAGLE (draft KV + draft state); a layout mismatch fails at the handshake with a message naming it;
-aborts on either side free both sides; a skipped copy diverges (negative control).
+aborts on either side free both sides; a skipped copy diverges (negative control); writes run on a
+transfer thread (a held write does not stall the prefill scheduler, its pages stay held until it
+ends, an abort during it waits for it); cuda_ipc's address translation (on CPU tensors).
 
 Real processes (Mooncake over TCP): prefill + decode + router vs one combined server (page 1 / 64,
 single, batched, streaming, /generate, radix hits), a CP = 2 prefill (gloo) sending only its own
@@ -410,10 +412,9 @@ def test_cp2_prefill_with_speculative_decode():
         assert ds["pages_received"] == pages and ds["bytes_received"] == pages * ds["bytes_per_page"]
 
 
-def test_transfer_runs_off_the_scheduler_thread(monkeypatch):
-    """A slow KV write does not stall the prefill scheduler: while request A's write is held, the
-    scheduler prefills B; A's pages stay allocated until the write ended (never reused while read);
-    then both decode to the combined server's tokens, and nothing leaks."""
+@pytest.fixture
+def held_writes(monkeypatch):
+    """Fake writes that block until the test sets `release`; `started` is set when one begins."""
     import threading
 
     from sglang.srt.disaggregation.transfer import FakeBackend
@@ -426,6 +427,15 @@ def test_transfer_runs_off_the_scheduler_thread(monkeypatch):
         real_write(self, peer, srcs, dsts, lens)
 
     monkeypatch.setattr(FakeBackend, "write", held_write)
+    yield started, release
+    release.set()
+
+
+def test_transfer_runs_off_the_scheduler_thread(held_writes):
+    """A slow KV write does not stall the prefill scheduler: while request A's write is held, the
+    scheduler prefills B; A's pages stay allocated until the write ended (never reused while read);
+    then both decode to the combined server's tokens, and nothing leaks."""
+    started, release = held_writes
     prompts = _prompts(2, seed=21)
     want = _combined(prompts, 6)
     p, d, port = _pair()
@@ -466,22 +476,11 @@ def test_transfer_runs_off_the_scheduler_thread(monkeypatch):
     _no_leak(p, d)
 
 
-def test_abort_during_a_write_frees_pages_only_after_it(monkeypatch):
+def test_abort_during_a_write_frees_pages_only_after_it(held_writes):
     """A decode-side abort while the prefill's write runs: the prefill keeps the pages the write
     reads until it ended, then frees them; the decode side keeps its preallocation until the
     prefill answered; nothing leaks on either side."""
-    import threading
-
-    from sglang.srt.disaggregation.transfer import FakeBackend
-
-    release, started, real_write = threading.Event(), threading.Event(), FakeBackend.write
-
-    def held_write(self, peer, srcs, dsts, lens):
-        started.set()
-        assert release.wait(60), "the test never released the write"
-        real_write(self, peer, srcs, dsts, lens)
-
-    monkeypatch.setattr(FakeBackend, "write", held_write)
+    started, release = held_writes
     p, d, port = _pair()
     room, ids = next(_rooms), _prompts(1, seed=23)[0]
     p.add_request(_req("y0", ids, 20, room, port))

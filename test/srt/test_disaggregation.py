@@ -207,6 +207,7 @@ def test_pd_decode_abort_frees_both_sides():
             if o.finished_reason:
                 finals[o.rid] = o
     assert "a0" not in finals and finals["a1"].finished_reason["type"] == "length"
+    assert not d.pd_transfers  # the prefill side answered the abort: no preallocation waits for a timeout
     _no_leak(p, d)
 
 

@@ -154,9 +154,8 @@ class PrefillScheduler(Scheduler):
                     f.abort = f.abort or ("aborted on the decode server", 400, True)
                 elif m.room in self.pd_waiting:  # the answer lets the decode side free its pages now
                     self._fail(m.room, "aborted on the decode server", 400, notify=True)
-                elif req is not None:
+                elif req is not None:  # its Register stays: the loop below answers once it is finished
                     self.pd_out += super().abort_request(req.rid)
-                    self.pd_regs.pop(m.room, None)
             elif isinstance(m, _Timeout) and m.room in self.pd_waiting:
                 self._fail(m.room, f"no decode server registered for the request within {BOOTSTRAP_TIMEOUT_S:.0f}s",
                            503, notify=False)

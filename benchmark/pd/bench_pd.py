@@ -25,7 +25,6 @@ import statistics
 import sys
 import time
 
-import requests
 import torch
 from tqdm import tqdm
 
@@ -35,26 +34,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
 from sglang.srt.disaggregation.transfer import MooncakeBackend  # noqa: E402
 from sglang.srt.testing.pd import PDSetup  # noqa: E402
 from sglang.srt.testing.server import ServerProcess  # noqa: E402
+from streaming import stream  # noqa: E402
 
 
 def one_request(base_url: str, ids: list[int], max_new: int) -> tuple[float, float]:
-    t0 = time.perf_counter()
-    first = last = None
-    n = 0
-    with requests.post(base_url + "/generate", json={"input_ids": ids, "stream": True, "sampling_params": {
-            "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}, stream=True, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise RuntimeError(ev["error"])
-            now = time.perf_counter()
-            first = first or now
-            last = now
-            n = ev["meta_info"]["completion_tokens"]
-    return first - t0, (n - 1) / (last - first) if n > 1 and last > first else float("nan")
+    """(TTFT, decode tokens/s) of one streamed request."""
+    r = stream(base_url, ids, max_new, time.perf_counter())
+    (first, _), (last, _) = r["events"][0], r["events"][-1]
+    n = r["tokens"]
+    return first - r["sent"], (n - 1) / (last - first) if n > 1 and last > first else float("nan")
 
 
 class RawMooncake:

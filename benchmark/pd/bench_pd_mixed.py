@@ -33,33 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
 
 from sglang.srt.testing.pd import PDSetup  # noqa: E402
+from streaming import stream  # noqa: E402
 from sglang.srt.testing.server import ServerProcess  # noqa: E402
-
-
-def stream(base_url: str, ids: list[int], max_new: int, t0: float, first: threading.Event | None = None,
-           stop: threading.Event | None = None) -> dict:
-    """One streamed /generate: send time, (time, tokens) per event (times relative to t0); `first` is
-    set at the first token; `stop` ends it early (the client goes away: the server aborts it)."""
-    sent = time.perf_counter() - t0
-    events, n = [], 0
-    with requests.post(base_url + "/generate", json={"input_ids": ids, "stream": True, "sampling_params": {
-            "max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}, stream=True, timeout=1200) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise RuntimeError(ev["error"])
-            k = ev["meta_info"]["completion_tokens"]
-            if k > n:
-                events.append((time.perf_counter() - t0, k - n))
-                n = k
-                if first is not None:
-                    first.set()
-            if stop is not None and stop.is_set():
-                break
-    return {"sent": sent, "events": events, "tokens": n}
 
 
 def _generate(base_url: str, ids: list[int], max_new: int) -> list[int]:

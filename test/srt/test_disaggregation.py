@@ -4,7 +4,8 @@ In-process (fake transfer backend): a PrefillScheduler and a DecodeScheduler in 
 alternately, produce the same greedy tokens as one combined Scheduler; the bytes moved equal the
 pages that must move; radix hits on the prefill side; IndexCache freq 4; page sizes 1 and 64;
 EAGLE (draft KV + draft state); a layout mismatch fails at the handshake with a message naming it;
-aborts on either side free both sides; a skipped copy diverges (negative control).
+aborts on either side free both sides; a skipped copy diverges (negative control); a decode server
+out of KV retracts committed requests and recomputes them locally.
 
 Real processes (Mooncake over TCP): prefill + decode + router vs one combined server (page 1 / 64,
 single, batched, streaming, /generate, radix hits), a CP = 2 prefill (gloo) sending only its own
@@ -103,6 +104,13 @@ def _run_pd(p, d, port, prompts, max_new: int, step_limit: int = 5000):
 def _no_leak(*scheds) -> None:
     for s in scheds:
         assert s.kv_leak_report() is None, s.kv_leak_report()
+
+
+def _free_at_rest(s) -> tuple[int, int]:
+    """(free KV slots, free request slots) once the prefix cache has given back everything it holds:
+    what the scheduler had free when it was built."""
+    s.tree_cache.evict(s.max_total_num_tokens)
+    return s.allocator.available_size(), s.req_to_token_pool.available_size()
 
 
 @pytest.mark.parametrize("page_size", [1, 64])
@@ -408,3 +416,33 @@ def test_cp2_prefill_with_speculative_decode():
         _idle_no_leak(pd.prefill)
         pages = sum(-(-r.usage.prompt_tokens // 16) for r in got)
         assert ds["pages_received"] == pages and ds["bytes_received"] == pages * ds["bytes_per_page"]
+
+
+def test_pd_decode_retracts_and_recomputes_committed_requests(monkeypatch):
+    """A decode server whose KV pool cannot hold the growth of every request it admitted retracts
+    committed PD requests; each is recomputed there (a plain prefill of prompt + outputs, no second
+    transfer) and still decodes the combined server's greedy tokens; nothing leaks on either side."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 900) for _ in range(rng.randrange(20, 40))] for _ in range(6)]
+    want = _combined(prompts, 40)
+    p, d, port = _pair(decode_kw=dict(max_total_tokens=200))  # 6 x (~30 + 40) tokens do not fit
+    start = _free_at_rest(p), _free_at_rest(d)
+    recomputed = []
+
+    def record(self, batch):
+        if batch.forward_mode.is_extend():  # a decode server extends only to recompute
+            recomputed.extend((len(r.origin_input_ids), pl + el) for r, pl, el in
+                              zip(batch.reqs, batch.prefix_lens, batch.extend_lens))
+        return Scheduler.run_batch(self, batch)
+
+    # On the class: a closure over `d` on the instance makes a cycle, and a PD scheduler collected as
+    # cyclic garbage hangs in zmq's context term (its sockets' weakrefs are cleared first).
+    monkeypatch.setattr(DecodeScheduler, "run_batch", record)
+    got, finals, _ = _run_pd(p, d, port, prompts, 40)
+    assert d.get_stats().num_retracted_reqs > 0
+    assert recomputed and all(kv > n for n, kv in recomputed), recomputed  # prompt + outputs, locally
+    assert p.get_stats().disaggregation["transfers"] == len(prompts)  # no KV moved twice
+    assert got == want
+    assert all(f.finished_reason["type"] == "length" for f in finals)
+    _no_leak(p, d)
+    assert (_free_at_rest(p), _free_at_rest(d)) == start

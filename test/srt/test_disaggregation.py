@@ -106,11 +106,15 @@ def _no_leak(*scheds) -> None:
         assert s.kv_leak_report() is None, s.kv_leak_report()
 
 
-def _free_at_rest(s) -> tuple[int, int]:
-    """(free KV slots, free request slots) once the prefix cache has given back everything it holds:
-    what the scheduler had free when it was built."""
-    s.tree_cache.evict(s.max_total_num_tokens)
-    return s.allocator.available_size(), s.req_to_token_pool.available_size()
+def _free_at_rest(s) -> tuple[int, int, int | None]:
+    """(free KV slots, free request slots, free host KV slots with HiCache) once the prefix cache has
+    given back everything it holds, on both tiers: what the scheduler had free when it was built."""
+    tc = s.tree_cache
+    tc.evict(s.max_total_num_tokens)
+    host = getattr(tc, "host_allocator", None)
+    if host is not None:
+        tc.evict_host(host.size)
+    return s.allocator.available_size(), s.req_to_token_pool.available_size(), host and host.available_size()
 
 
 @pytest.mark.parametrize("page_size", [1, 64])

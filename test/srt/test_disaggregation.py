@@ -6,11 +6,14 @@ pages that must move; radix hits on the prefill side; IndexCache freq 4; page si
 EAGLE (draft KV + draft state); a layout mismatch fails at the handshake with a message naming it;
 aborts on either side free both sides; a skipped copy diverges (negative control); writes run on a
 transfer thread (a held write does not stall the prefill scheduler, its pages stay held until it
-ends, an abort during it waits for it); cuda_ipc's address translation (on CPU tensors).
+ends, an abort during it waits for it); cuda_ipc's address translation (on CPU tensors); a decode
+server out of KV retracts committed requests and recomputes them locally.
 
 Real processes (Mooncake over TCP): prefill + decode + router vs one combined server (page 1 / 64,
 single, batched, streaming, /generate, radix hits), a CP = 2 prefill (gloo) sending only its own
 pages, the handshake mismatch, and a decode server killed mid-transfer (502/503, nothing leaks).
+Several servers behind the router (in-process servers with the fake backend, a router process):
+2 prefill + 2 decode spread round robin over every pair, a decode server down (503 when none is left).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.testing.inprocess import InProcessServer
 from sglang.srt.testing.pd import PDSetup
 from sglang.srt.testing.server import ServerProcess
 
@@ -105,6 +109,17 @@ def _run_pd(p, d, port, prompts, max_new: int, step_limit: int = 5000):
 def _no_leak(*scheds) -> None:
     for s in scheds:
         assert s.kv_leak_report() is None, s.kv_leak_report()
+
+
+def _free_at_rest(s) -> tuple[int, int, int | None]:
+    """(free KV slots, free request slots, free host KV slots with HiCache) once the prefix cache has
+    given back everything it holds, on both tiers: what the scheduler had free when it was built."""
+    tc = s.tree_cache
+    tc.evict(s.max_total_num_tokens)
+    host = getattr(tc, "host_allocator", None)
+    if host is not None:
+        tc.evict_host(host.size)
+    return s.allocator.available_size(), s.req_to_token_pool.available_size(), host and host.available_size()
 
 
 @pytest.mark.parametrize("page_size", [1, 64])
@@ -559,3 +574,76 @@ def test_transfer_worker_survives_a_failed_write():
     assert bad.done.wait(30) and good.done.wait(30)
     assert "peer gone" in bad.error and good.error is None
     w.close()
+
+
+def test_pd_decode_retracts_and_recomputes_committed_requests(monkeypatch):
+    """A decode server whose KV pool cannot hold the growth of every request it admitted retracts
+    committed PD requests; each is recomputed there (a plain prefill of prompt + outputs, no second
+    transfer) and still decodes the combined server's greedy tokens; nothing leaks on either side."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 900) for _ in range(rng.randrange(20, 40))] for _ in range(6)]
+    want = _combined(prompts, 40)
+    p, d, port = _pair(decode_kw=dict(max_total_tokens=200))  # 6 x (~30 + 40) tokens do not fit
+    start = _free_at_rest(p), _free_at_rest(d)
+    recomputed = []
+
+    def record(self, batch):
+        if batch.forward_mode.is_extend():  # a decode server extends only to recompute
+            recomputed.extend((len(r.origin_input_ids), pl + el) for r, pl, el in
+                              zip(batch.reqs, batch.prefix_lens, batch.extend_lens))
+        return Scheduler.run_batch(self, batch)
+
+    # On the class: a closure over `d` on the instance makes a cycle, and a PD scheduler collected as
+    # cyclic garbage hangs in zmq's context term (its sockets' weakrefs are cleared first).
+    monkeypatch.setattr(DecodeScheduler, "run_batch", record)
+    got, finals, _ = _run_pd(p, d, port, prompts, 40)
+    assert d.get_stats().num_retracted_reqs > 0
+    assert recomputed and all(kv > n for n, kv in recomputed), recomputed  # prompt + outputs, locally
+    assert p.get_stats().disaggregation["transfers"] == len(prompts)  # no KV moved twice
+    assert got == want
+    assert all(f.finished_reason["type"] == "length" for f in finals)
+    _no_leak(p, d)
+    assert (_free_at_rest(p), _free_at_rest(d)) == start
+
+
+def _generate(base_url: str, ids: list[int]) -> list[int]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    r = requests.post(base_url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def test_router_two_prefill_two_decode_servers():
+    """Decode with data parallelism: 2 prefill + 2 decode servers behind one router (servers in this
+    process with the fake backend, the router a process). Request k goes to prefill k % 2 and decode
+    k // 2 % 2, so four sequential prompts of distinct lengths show which server took which (every
+    decode server receives from both prefill servers), then eight go at once. Greedy tokens equal a
+    combined server. A decode server that goes down loses its share to the other one; with none left
+    the router answers an OpenAI-style 503 and the prefill servers free what they held."""
+    prompts = [list(range(5 + k, 5 + k + n)) for k, n in enumerate([20, 45, 70, 95] + [30 + 7 * i for i in range(8)])]
+    with InProcessServer(MODEL, *SERVER_ARGS) as combined:
+        want = [_generate(combined.base_url, ids) for ids in prompts]
+    with PDSetup(MODEL, *SERVER_ARGS, backend="fake", n_prefill=2, n_decode=2) as pd:
+        got = [_generate(pd.base_url, ids) for ids in prompts[:4]]
+        n = [len(ids) for ids in prompts[:4]]  # page size 1: pages = tokens
+        assert [s.internal_state()["disaggregation"]["pages_sent"] for s in pd.prefills] == [n[0] + n[2], n[1] + n[3]]
+        assert [s.internal_state()["disaggregation"]["pages_received"] for s in pd.decodes] == [n[0] + n[1],
+                                                                                                n[2] + n[3]]
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            got += list(ex.map(lambda ids: _generate(pd.base_url, ids), prompts[4:]))
+        assert got == want
+        assert [_idle_no_leak(s)["disaggregation"]["transfers"] for s in pd.prefills] == [6, 6]
+        assert [_idle_no_leak(s)["disaggregation"]["committed"] for s in pd.decodes] == [6, 6]
+
+        pd.decodes[0].stop()  # the next two requests are decode 0's: the router sends them to decode 1
+        assert [_generate(pd.base_url, ids) for ids in prompts[:2]] == want[:2]
+        assert _idle_no_leak(pd.decodes[1])["disaggregation"]["committed"] == 8
+        pd.decodes[1].stop()
+        r = requests.post(pd.base_url + "/generate", json={"input_ids": prompts[0]}, timeout=120)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error", r.text
+        assert "no decode server reachable" in r.json()["error"]["message"]
+        for path in ("/v1/models", "/health"):
+            r = requests.get(pd.base_url + path, timeout=120)
+            assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
+        for s in pd.prefills:  # the failed request was cancelled on its prefill server
+            _idle_no_leak(s)

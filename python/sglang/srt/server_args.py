@@ -550,8 +550,6 @@ def _check_disaggregation(args: ServerArgs) -> None:
         raise ServerArgsError("disaggregation_bootstrap_port", f"must be in 1..65535, got {port!r}")
     if args.disaggregation_mode == "null":
         return
-    if args.enable_hierarchical_cache:
-        raise ServerArgsError("disaggregation_mode", "is not supported with --enable-hierarchical-cache yet")
     if args.disaggregation_transfer_backend == "mooncake":
         from sglang.srt.disaggregation.transfer import mooncake_import_error
 

@@ -1,14 +1,16 @@
 """PD router: send each request to a prefill server and a decode server, answer from the decode one.
 
     python -m sglang.srt.disaggregation.router --pd-disaggregation --prefill http://P:30000 [BOOTSTRAP_PORT]
-        --decode http://D:30001 [--host 127.0.0.1 --port 8000]
+        --decode http://D:30001 [--decode http://D2:30001 ...] [--host 127.0.0.1 --port 8000]
 
-(upstream's `sglang_router.launch_router` flags). Each request gets a random `bootstrap_room` and the
+(upstream's `sglang_router.launch_router` flags; repeat --prefill / --decode for more servers). Each request gets a random `bootstrap_room` and the
 prefill server's bootstrap address, then goes to both servers at once (the decode server
 preallocates while the prefill runs). The decode server's answer (JSON or SSE stream) is relayed
-as is; a prefill error answers the request (the decode side is cancelled); an unreachable or dying
-server gives a 502 with an OpenAI-style error body, and the other side's request is cancelled,
-which aborts it there and frees its slots.
+as is; a prefill error answers the request (the decode side is cancelled). Several servers of each
+kind (decode replicas = data parallelism) are used round robin over every (prefill, decode) pair; a
+decode server that refuses the connection is skipped for the next one. No reachable decode server
+gives a 503, one that dies mid-request a 502, both with an OpenAI-style error body, and the other
+side's request is cancelled, which aborts it there and frees its slots.
 """
 
 from __future__ import annotations
@@ -57,11 +59,26 @@ class PDRouter:
             if info.get("disaggregation_mode") != "decode":
                 raise RuntimeError(f"{url} is not a decode server")
 
-    def pick(self) -> tuple[str, str, int]:
+    def pick(self) -> tuple[str, list[str], int]:
+        """Round robin over every (prefill, decode) pair -- prefill k % P, decode k // P % D -- so each
+        server gets its share and each decode server receives from every prefill server. Returns the
+        prefill URL, the decode URLs in the order to try (the picked one first) and the bootstrap port."""
         k = next(self._rr)
-        i = k % len(self.prefill_urls)
-        p = self.prefill_urls[i]
-        return p, self.decode_urls[k % len(self.decode_urls)], self.bootstrap_ports[i]
+        i, j = k % len(self.prefill_urls), k // len(self.prefill_urls) % len(self.decode_urls)
+        return self.prefill_urls[i], self.decode_urls[j:] + self.decode_urls[:j], self.bootstrap_ports[i]
+
+    async def _send_decode(self, decodes: list[str], path: str, body: dict, fwd: dict) -> tuple[str, httpx.Response]:
+        """Send to the first decode server that accepts the connection. One that refuses never saw the
+        request, so the next may take it: the prefill server sends the KV to whichever registers."""
+        for url in decodes[:-1]:
+            try:
+                return url, await self.client.send(self.client.build_request("POST", url + path, json=body,
+                                                                             headers=fwd), stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                logger.warning("decode server %s unreachable (%s): trying the next one", url, e)
+        url = decodes[-1]
+        return url, await self.client.send(self.client.build_request("POST", url + path, json=body, headers=fwd),
+                                           stream=True)
 
     async def handle(self, path: str, body: dict, headers: dict) -> Response:
         if body.get("n", 1) != 1:
@@ -71,7 +88,7 @@ class PDRouter:
                                                                      body.get("input_ids") else 0, list):
             return _error(400, "batched prompts are not supported by the PD router: send one request per prompt",
                           "invalid_request_error")
-        prefill, decode, bport = self.pick()
+        prefill, decodes, bport = self.pick()
         body = {**body, "bootstrap_host": urlparse(prefill).hostname, "bootstrap_port": bport,
                 "bootstrap_room": random.getrandbits(63)}
         fwd = {k: v for k, v in headers.items() if k.lower() in ("authorization", "content-type")}
@@ -81,18 +98,20 @@ class PDRouter:
         pre_task = asyncio.create_task(self.client.post(prefill + path, json=pre_body, headers=fwd))
         stream = bool(body.get("stream"))
         try:
-            req = self.client.build_request("POST", decode + path, json=body, headers=fwd)
-            dec_task = asyncio.create_task(self.client.send(req, stream=True))
+            dec_task = asyncio.create_task(self._send_decode(decodes, path, body, fwd))
             done, _ = await asyncio.wait({pre_task, dec_task}, return_when=asyncio.FIRST_COMPLETED)
             if pre_task in done and dec_task not in done:
                 pre_err = _failed(pre_task)
                 if pre_err is not None:
                     dec_task.cancel()
                     return pre_err
-            resp = await dec_task
+            decode, resp = await dec_task
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            pre_task.cancel()
+            return _error(503, f"no decode server reachable ({', '.join(decodes)}): {type(e).__name__}: {e}")
         except (httpx.HTTPError, OSError) as e:
             pre_task.cancel()
-            return _error(502, f"decode server {decode} failed: {type(e).__name__}: {e}")
+            return _error(502, f"decode server failed: {type(e).__name__}: {e}")
         if not stream or resp.status_code != 200:
             try:
                 data = await resp.aread()
@@ -157,10 +176,20 @@ def create_app(router: PDRouter) -> FastAPI:
                 return _error(503, f"{url} is unreachable: {e}")
         return Response(status_code=200)
 
+    @app.exception_handler(Exception)
+    async def _crash(_request: Request, exc: Exception) -> Response:  # an OpenAI-style body, never a bare 500
+        logger.exception("router error")
+        return _error(500, f"router error: {type(exc).__name__}: {exc}")
+
     @app.get("/v1/models")
     async def models() -> Response:
-        r = await router.client.get(router.decode_urls[0] + "/v1/models")
-        return Response(r.content, r.status_code, media_type="application/json")
+        for url in router.decode_urls:  # the first decode server that answers
+            try:
+                r = await router.client.get(url + "/v1/models", timeout=10)
+                return Response(r.content, r.status_code, media_type="application/json")
+            except (httpx.HTTPError, OSError) as e:
+                logger.warning("decode server %s unreachable: %s", url, e)
+        return _error(503, "no decode server reachable")
 
     for path in ROUTES:
         async def route(request: Request, _path: str = path) -> Response:

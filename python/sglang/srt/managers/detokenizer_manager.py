@@ -8,6 +8,8 @@ trimmed unless `no_stop_trim`.
 
 from __future__ import annotations
 
+from typing import Callable
+
 
 def _stop_holdback(text: str, stop_strs: list[str]) -> int:
     """Chars at the end of `text` that could begin a stop string."""
@@ -122,9 +124,11 @@ class DetokenizerManager:
                 self.states.pop(out.rid, None)
         return BatchStrOut([StrOutput(d, o) for d, o in zip(deltas, batch.outputs)])
 
-    def event_loop(self) -> None:
-        while True:
-            self.send_to_tokenizer.send_pyobj(self.handle(self.recv_from_scheduler.recv_pyobj()))
+    def event_loop(self, stop: Callable[[], bool] = lambda: False) -> None:
+        """Serve until `stop()` (never, in the detokenizer process; in-process test servers stop)."""
+        while not stop():
+            if self.recv_from_scheduler.poll(1000):
+                self.send_to_tokenizer.send_pyobj(self.handle(self.recv_from_scheduler.recv_pyobj()))
 
 
 def run_detokenizer_process(server_args, port_args) -> None:

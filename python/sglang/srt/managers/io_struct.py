@@ -66,6 +66,7 @@ class SchedulerStats:
     disaggregation: dict | None = None  # PD: transfer counters of a prefill / decode server
     avg_spec_accept_length: float = 0.0  # speculative decoding: tokens per request per verify step
     num_grammar_queue_reqs: int = 0  # of num_waiting_reqs, those waiting for their grammar to compile
+    num_retracted_reqs: int = 0  # since start: requests a decode step that ran out of KV put back in the queue
 
 
 @dataclass

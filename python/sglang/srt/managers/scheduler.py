@@ -98,6 +98,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self.num_retracted_reqs = 0  # since start: decode steps that ran out of KV
         self.forward_ct = 0
         self.init_metrics()
 
@@ -388,6 +389,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             if self.allocator.available_size() < need:
                 self.tree_cache.evict(need - self.allocator.available_size())
         if retracted:
+            self.num_retracted_reqs += retracted
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
             logger.warning("KV cache full: retracted %d request(s) back to the queue", retracted)
 
@@ -485,4 +487,5 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             gen_throughput=self.last_gen_throughput,
             avg_spec_accept_length=getattr(self.tp_worker, "avg_accept_length", 0.0),
             num_grammar_queue_reqs=len(self.grammar_manager),
+            num_retracted_reqs=self.num_retracted_reqs,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import traceback
+from typing import Callable
 
 import zmq
 
@@ -78,8 +79,9 @@ class SchedulerProcess:
         if outputs and self.tp_rank == 0:
             self.send_to_detokenizer.send_pyobj(BatchTokenIDOut(outputs))
 
-    def event_loop(self) -> None:
-        while True:
+    def event_loop(self, stop: Callable[[], bool] = lambda: False) -> None:
+        """Serve until `stop()` (never, in the scheduler process; in-process test servers stop)."""
+        while not stop():
             outputs = []
             for msg in self.recv_requests(block=not self.scheduler.has_work()):
                 outputs += self.process(msg)

@@ -15,7 +15,35 @@ import requests
 from sglang.srt.utils.ipc import free_port
 
 
-class ServerProcess:
+class ServerClient:
+    """A running server at `base_url` (a process or in-process): what tests read from it, and stop()."""
+
+    base_url: str
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def internal_state(self) -> dict:
+        return requests.get(self.base_url + "/get_server_info", timeout=30).json()["internal_states"][0]
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Until no request runs or waits; returns the scheduler stats."""
+        return self.wait_state(lambda st: st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0,
+                               "idle", timeout)
+
+    def wait_state(self, pred: Callable[[dict], bool], what: str, timeout: float = 60.0) -> dict:
+        """Until pred(scheduler stats) holds; returns the stats (TimeoutError naming `what`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.internal_state()
+            if pred(st):
+                return st
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not {what} after {timeout}s: {st}")
+            time.sleep(0.05)
+
+
+class ServerProcess(ServerClient):
     def __init__(self, model: str, *args: str, timeout: float = 180.0, env: dict | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -42,25 +70,6 @@ class ServerProcess:
         self._log.flush()
         with open(self.log_path) as f:
             return f.read()[-8000:]
-
-    def internal_state(self) -> dict:
-        return requests.get(self.base_url + "/get_server_info", timeout=30).json()["internal_states"][0]
-
-    def wait_idle(self, timeout: float = 30.0) -> dict:
-        """Until no request runs or waits; returns the scheduler stats."""
-        return self.wait_state(lambda st: st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0,
-                               "idle", timeout)
-
-    def wait_state(self, pred: Callable[[dict], bool], what: str, timeout: float = 60.0) -> dict:
-        """Until pred(scheduler stats) holds; returns the stats (TimeoutError naming `what`)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.internal_state()
-            if pred(st):
-                return st
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not {what} after {timeout}s: {st}")
-            time.sleep(0.05)
 
     def open_request(self, path: str, body: dict) -> socket.socket:
         """Send a POST and return the open socket without reading the answer: closing it is a

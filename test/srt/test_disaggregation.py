@@ -647,3 +647,20 @@ def test_router_two_prefill_two_decode_servers():
             assert r.status_code == 503 and r.json()["error"]["code"] == 503, r.text
         for s in pd.prefills:  # the failed request was cancelled on its prefill server
             _idle_no_leak(s)
+
+
+def test_decode_admission_reserves_growth_of_requests_in_transfer():
+    """A burst of PD requests: the decode server preallocates only as many as the pool can also
+    grow (each admitted request's max_new_tokens x new_token_ratio is kept free), counting those
+    whose KV is still on the way -- not every prompt that fits today."""
+    p, d, port = _pair(decode_kw=dict(max_total_tokens=2048))
+    ids = [5 + i % 800 for i in range(100)]
+    for i in range(12):
+        room = next(_rooms)
+        d.add_request(_req(f"z{i}", ids, 300, room, port))
+    free0 = d.allocator.available_size() + d.tree_cache.evictable_size()
+    d.step()  # preallocates what fits; nothing has arrived from the prefill side
+    admitted = [st.req for st in d.pd_transfers.values()]
+    assert 0 < len(admitted) < 12
+    need = sum(len(r.origin_input_ids) + int(r.sampling_params.max_new_tokens * d.new_token_ratio) for r in admitted)
+    assert need <= free0, (len(admitted), need, free0)

@@ -120,7 +120,11 @@ class DecodeScheduler(Scheduler):
                 return
             if self.req_to_token_pool.available_size() == 0:
                 return
-            reserve = self._reserved_for_running() + int(req.sampling_params.max_new_tokens * self.new_token_ratio)
+            # Growth to keep free: the running requests', those whose KV is on the way (they run
+            # next), and this one's -- else a burst of PD requests is admitted only to be retracted.
+            reserve = self._reserved_for_running() + sum(
+                int(r.sampling_params.max_new_tokens * self.new_token_ratio)
+                for r in [st.req for st in self.pd_transfers.values()] + [req])
             if self.allocator.available_size() + self.tree_cache.evictable_size() - reserve < cdiv(n, ps) * ps:
                 return
             req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]

@@ -144,7 +144,7 @@ def model_and_args(args) -> tuple[str, list[str], int]:
     ctx = max(args.long_len + args.long_new, args.short_len + args.decode_len) + 64
     return path, ["--load-format", "dummy", "--dtype", "bfloat16", "--context-length", str(ctx),
                   "--max-total-tokens", str(args.kv_tokens), "--page-size", "64", "--cuda-graph-max-bs",
-                  str(max(8, args.streams)), "--max-running-requests", str(args.streams + args.long + 4)], vocab
+                  str(args.streams + args.long + 4), "--max-running-requests", str(args.streams + args.long + 4)], vocab
 
 
 def plot(result: dict, path: str) -> None:
@@ -210,6 +210,8 @@ def main() -> None:
             stream(srv.base_url, warm_ids[:64], 4, time.perf_counter())
             tokens[side] = [_generate(srv.base_url, ids, args.check_new) for ids in check]
             result[side] = summarize(run_load(srv.base_url, args, vocab, seed=1))
+            print(side, json.dumps({k: v for k, v in result[side].items() if k not in ("points", "windows")}),
+                  flush=True)
             if side == "pd":
                 xfer = result["pd_transfer"] = srv.prefill.internal_state()["disaggregation"]
                 xfer["gbps"] = xfer["bytes_sent"] / max(xfer["transfer_seconds"], 1e-9) / 1e9

@@ -10,7 +10,8 @@ bandwidth = bytes the prefill server wrote / seconds inside its transfer calls (
 request; right after each PD request a raw copy moves the same bytes between two Mooncake engines
 in this process (servers still up, same load), as one range and split into the same number of
 ranges the server used, between buffer regions not touched since (as pool pages are: cold), and once
-more cache-warm; medians of the per-request values. `--v32-kv`: a small model
+more cache-warm, and once into an idle receiver process (the path a PD transfer takes, without the
+servers); medians of the per-request values. `--v32-kv`: a small model
 (dummy weights) whose KV rows have DeepSeek-V3.2's widths (MLA 512 + 64, index K 128; 8 layers), so a
 request moves megabytes rather than the builtin tiny model's ~1.6 KB per token.
 """
@@ -22,6 +23,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 
@@ -57,18 +59,38 @@ class RawMooncake:
         self.dst = torch.zeros_like(self.src)
         self.a.register(self.src.data_ptr(), self.src.numel())
         self.b.register(self.dst.data_ptr(), self.dst.numel())
+        # The same copy into another (idle) process: the path a PD transfer takes, minus the servers.
+        self.peer = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(self.dst.numel())], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+        self.peer_id, self.peer_ptr = json.loads(self.peer.stdout.readline())
         self.write(nbytes, 1)  # connect
+        self.write(nbytes, 1, other_process=True)
 
-    def write(self, nbytes: int, ops: int, hot: bool = False) -> float:
+    def write(self, nbytes: int, ops: int, hot: bool = False, other_process: bool = False) -> float:
         """Seconds to write `nbytes` as `ops` equal ranges."""
         self.k = 0 if hot else (self.k + 1) % self.slots
-        src, dst = self.src.data_ptr() + self.k * self.nbytes, self.dst.data_ptr() + (self.slots - 1 - self.k) * self.nbytes
+        peer, dst_base = (self.peer_id, self.peer_ptr) if other_process else (self.b.session_id, self.dst.data_ptr())
+        src, dst = self.src.data_ptr() + self.k * self.nbytes, dst_base + (self.slots - 1 - self.k) * self.nbytes
         step = nbytes // ops
         offs = [i * step for i in range(ops)]
         lens = [step] * (ops - 1) + [nbytes - step * (ops - 1)]
         t = time.perf_counter()
-        self.a.write(self.b.session_id, [src + o for o in offs], [dst + o for o in offs], lens)
+        self.a.write(peer, [src + o for o in offs], [dst + o for o in offs], lens)
         return time.perf_counter() - t
+
+    def close(self) -> None:
+        self.peer.stdin.close()
+        self.peer.wait(timeout=30)
+
+
+_RECEIVER = """
+import json, sys, torch
+from sglang.srt.disaggregation.transfer import MooncakeBackend
+b = MooncakeBackend(); dst = torch.zeros(int(sys.argv[1]), dtype=torch.uint8); b.register(dst.data_ptr(), dst.numel())
+print(json.dumps([b.session_id, dst.data_ptr()]), flush=True)
+sys.stdin.read()
+"""
 
 
 def main() -> None:
@@ -100,7 +122,7 @@ def main() -> None:
         raw = RawMooncake(args.prompt_len * pd.decode.internal_state()["disaggregation"]["bytes_per_page"]
                           // args.page_size + (1 << 20))
         xfer = {"pd_gbps": [], "raw_one_range_gbps": [], "raw_same_ranges_gbps": [], "raw_same_ranges_hot_gbps": [],
-                "bytes": [], "ops": []}
+                "raw_other_process_gbps": [], "bytes": [], "ops": []}
         for ids in tqdm(prompts, desc="requests (combined, PD, raw copy: interleaved)"):
             for side, url in (("combined", comb.base_url), ("pd", pd.base_url)):
                 before = pd.prefill.internal_state()["disaggregation"]
@@ -116,6 +138,8 @@ def main() -> None:
             xfer["raw_one_range_gbps"].append(nbytes / raw.write(nbytes, 1) / 1e9)
             xfer["raw_same_ranges_gbps"].append(nbytes / raw.write(nbytes, ops) / 1e9)
             xfer["raw_same_ranges_hot_gbps"].append(nbytes / raw.write(nbytes, ops, hot=True) / 1e9)
+            xfer["raw_other_process_gbps"].append(nbytes / raw.write(nbytes, ops, other_process=True) / 1e9)
+        raw.close()
     med = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in res.items()}
     out = {
         "setting": vars(args),
@@ -129,6 +153,7 @@ def main() -> None:
     t["ratio_vs_raw_one_range"] = t["pd_gbps"] / t["raw_one_range_gbps"]
     t["ratio_vs_raw_same_ranges"] = t["pd_gbps"] / t["raw_same_ranges_gbps"]
     t["ratio_vs_raw_same_ranges_hot"] = t["pd_gbps"] / t["raw_same_ranges_hot_gbps"]
+    t["ratio_vs_raw_other_process"] = t["pd_gbps"] / t["raw_other_process_gbps"]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -74,7 +74,7 @@ def test_prefill_host_hit_is_loaded_back_then_sent(page_size, corrupt_host):
 def test_decode_hicache_caches_pd_requests_and_recompute_hits(policy, monkeypatch):
     """The decode pool is too small for every admitted request's growth: committed PD requests are
     retracted, their KV goes into the HiRadix cache (write_back: backed up to the host as it is
-    evicted), and each recompute hits it."""
+    evicted), and the recomputes hit it (write_back: every one)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 900) for _ in range(rng.randrange(20, 40))] for _ in range(6)]
     want = _combined(prompts, 40)
@@ -91,7 +91,11 @@ def test_decode_hicache_caches_pd_requests_and_recompute_hits(policy, monkeypatc
     got, _, _ = _run_pd(p, d, port, prompts, 40)
     _settle(p, d)
     tc = d.tree_cache
-    assert d.num_retracted_reqs > 0 and recomputes and all(n > 0 for n in recomputes), recomputes
+    assert d.num_retracted_reqs > 0 and recomputes and any(n > 0 for n in recomputes), recomputes
+    if policy == "write_back":  # eviction backs up first, so every recompute finds its prefix
+        assert all(n > 0 for n in recomputes), recomputes
+    # write_through: a node evicted before its asynchronous backup was acked is dropped, so a
+    # recompute may miss when the backup thread lags (a loaded machine): a miss, never wrong tokens
     assert tc.host_total_size() > 0  # released PD requests were backed up
     if policy == "write_back":  # evicted through the host: the recompute loads it back
         assert tc.stats["evicted_to_host"] > 0 and tc.stats["loaded_tokens"] > 0, tc.stats

@@ -7,11 +7,13 @@ Starts a combined server, and a prefill + decode server (Mooncake over TCP) behi
 sends the same prompts (token ids, one at a time, streaming) alternately to each side; TTFT = time to
 the first streamed token, decode tok/s = (tokens - 1) / (last - first token time). Transfer
 bandwidth = bytes the prefill server wrote / seconds inside its transfer calls (its counters), per
-request; right after each PD request a raw copy moves the same bytes between two Mooncake engines
-in this process (servers still up, same load), as one range and split into the same number of
-ranges the server used, between buffer regions not touched since (as pool pages are: cold), and once
-more cache-warm, and once into an idle receiver process (the path a PD transfer takes, without the
-servers); medians of the per-request values. `--v32-kv`: a small model
+request; right after each PD request a raw copy -- Mooncake's own synchronous batch write, the
+library used plainly -- moves the same bytes between two Mooncake engines in this process (servers
+still up, same load), as one range and split into the same number of ranges the server used,
+between buffer regions not touched since (as pool pages are: cold), and once more cache-warm, and
+once into an idle receiver process; and once more into that process through MooncakeBackend.write
+(the server's own path without the servers). Medians of the per-request values, and medians of the
+per-request ratios (each PD copy against the copies made right after it). `--v32-kv`: a small model
 (dummy weights) whose KV rows have DeepSeek-V3.2's widths (MLA 512 + 64, index K 128; 8 layers), so a
 request moves megabytes rather than the builtin tiny model's ~1.6 KB per token.
 """
@@ -67,8 +69,11 @@ class RawMooncake:
         self.write(nbytes, 1)  # connect
         self.write(nbytes, 1, other_process=True)
 
-    def write(self, nbytes: int, ops: int, hot: bool = False, other_process: bool = False) -> float:
-        """Seconds to write `nbytes` as `ops` equal ranges."""
+    def write(self, nbytes: int, ops: int, hot: bool = False, other_process: bool = False,
+              backend: bool = False) -> float:
+        """Seconds to write `nbytes` as `ops` equal ranges with Mooncake's own synchronous batch
+        write (the raw reference), or with `backend=True` through MooncakeBackend.write (the
+        server's path, without the servers)."""
         self.k = 0 if hot else (self.k + 1) % self.slots
         peer, dst_base = (self.peer_id, self.peer_ptr) if other_process else (self.b.session_id, self.dst.data_ptr())
         src, dst = self.src.data_ptr() + self.k * self.nbytes, dst_base + (self.slots - 1 - self.k) * self.nbytes
@@ -76,7 +81,10 @@ class RawMooncake:
         offs = [i * step for i in range(ops)]
         lens = [step] * (ops - 1) + [nbytes - step * (ops - 1)]
         t = time.perf_counter()
-        self.a.write(peer, [src + o for o in offs], [dst + o for o in offs], lens)
+        if backend:
+            self.a.write(peer, [src + o for o in offs], [dst + o for o in offs], lens)
+        elif self.a.engine.batch_transfer_sync_write(peer, [src + o for o in offs], [dst + o for o in offs], lens):
+            raise RuntimeError("raw Mooncake write failed")
         return time.perf_counter() - t
 
     def close(self) -> None:
@@ -122,7 +130,7 @@ def main() -> None:
         raw = RawMooncake(args.prompt_len * pd.decode.internal_state()["disaggregation"]["bytes_per_page"]
                           // args.page_size + (1 << 20))
         xfer = {"pd_gbps": [], "raw_one_range_gbps": [], "raw_same_ranges_gbps": [], "raw_same_ranges_hot_gbps": [],
-                "raw_other_process_gbps": [], "bytes": [], "ops": []}
+                "raw_other_process_gbps": [], "backend_other_process_gbps": [], "bytes": [], "ops": []}
         for ids in tqdm(prompts, desc="requests (combined, PD, raw copy: interleaved)"):
             for side, url in (("combined", comb.base_url), ("pd", pd.base_url)):
                 before = pd.prefill.internal_state()["disaggregation"]
@@ -139,6 +147,8 @@ def main() -> None:
             xfer["raw_same_ranges_gbps"].append(nbytes / raw.write(nbytes, ops) / 1e9)
             xfer["raw_same_ranges_hot_gbps"].append(nbytes / raw.write(nbytes, ops, hot=True) / 1e9)
             xfer["raw_other_process_gbps"].append(nbytes / raw.write(nbytes, ops, other_process=True) / 1e9)
+            xfer["backend_other_process_gbps"].append(
+                nbytes / raw.write(nbytes, ops, other_process=True, backend=True) / 1e9)
         raw.close()
     med = {s: {k: statistics.median(v) for k, v in d.items()} for s, d in res.items()}
     out = {
@@ -154,26 +164,37 @@ def main() -> None:
     t["ratio_vs_raw_same_ranges"] = t["pd_gbps"] / t["raw_same_ranges_gbps"]
     t["ratio_vs_raw_same_ranges_hot"] = t["pd_gbps"] / t["raw_same_ranges_hot_gbps"]
     t["ratio_vs_raw_other_process"] = t["pd_gbps"] / t["raw_other_process_gbps"]
+    t["ratio_vs_backend_other_process"] = t["pd_gbps"] / t["backend_other_process_gbps"]
+    for ref in ("raw_same_ranges", "raw_other_process", "backend_other_process"):  # paired, request by request
+        t[f"median_paired_ratio_vs_{ref}"] = statistics.median(
+            p / r for p, r in zip(xfer["pd_gbps"], xfer[f"{ref}_gbps"]))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps({k: v for k, v in out.items() if k != "raw"}, indent=1))
+    plot(out, args.out.replace(".json", ".png"))
+
+
+def plot(out: dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 3, figsize=(12, 3.5))
+    med, t = out["median"], out["transfer"]
+    fig, ax = plt.subplots(1, 3, figsize=(14, 3.8), gridspec_kw={"width_ratios": [1, 1, 3]})
     ax[0].bar(["combined", "PD"], [med["combined"]["ttft"] * 1e3, med["pd"]["ttft"] * 1e3])
-    ax[0].set_title(f"TTFT (ms), prompt {args.prompt_len}")
+    ax[0].set_title(f"TTFT (ms), prompt {out['setting']['prompt_len']}")
     ax[1].bar(["combined", "PD"], [med["combined"]["tps"], med["pd"]["tps"]])
     ax[1].set_title("decode tok/s (bs 1)")
-    ax[2].bar(["PD transfer", "raw 1 range", f"raw {int(t['ops'])} ranges", "same, cache-warm"],
-              [t["pd_gbps"], t["raw_one_range_gbps"], t["raw_same_ranges_gbps"], t["raw_same_ranges_hot_gbps"]])
-    ax[2].set_title("KV transfer GB/s (Mooncake TCP)")
+    bars = {"PD transfer": "pd_gbps", "raw\n1 range": "raw_one_range_gbps",
+            f"raw\n{int(t['ops'])} ranges": "raw_same_ranges_gbps", "raw\ncache-warm": "raw_same_ranges_hot_gbps",
+            "raw, idle\nreceiver proc": "raw_other_process_gbps", "backend, idle\nreceiver proc": "backend_other_process_gbps"}
+    bars = {k: v for k, v in bars.items() if v in t}  # older results lack the backend reference
+    ax[2].bar(list(bars), [t[v] for v in bars.values()], color=["C1"] + ["C0"] * (len(bars) - 1))
+    ax[2].set_title("KV transfer GB/s (Mooncake TCP; raw = Mooncake's own sync batch write)")
     fig.tight_layout()
-    fig.savefig(args.out.replace(".json", ".png"))
-
+    fig.savefig(path)
 
 if __name__ == "__main__":
     main()

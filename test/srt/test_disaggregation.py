@@ -576,6 +576,31 @@ def test_transfer_worker_survives_a_failed_write():
     w.close()
 
 
+def test_mooncake_backend_writes_many_ranges_and_fails_on_a_dead_peer():
+    """MooncakeBackend.write (submit every range, then poll without spinning) moves every byte of
+    many ranges of different sizes to the right place, and a write to a peer nobody answers for
+    raises TransferError instead of hanging."""
+    from sglang.srt.disaggregation.transfer import MooncakeBackend, TransferError
+
+    a, b = MooncakeBackend(), MooncakeBackend()
+    src = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    a.register_tensor(src)
+    b.register_tensor(dst)
+    g = torch.Generator().manual_seed(0)
+    cuts = sorted(torch.randperm(src.numel() - 1, generator=g)[:40].add(1).tolist())
+    starts, ends = [0] + cuts, cuts + [src.numel()]
+    order = torch.randperm(len(starts), generator=g).tolist()  # ranges land in reverse halves
+    srcs = [src.data_ptr() + starts[i] for i in order]
+    dsts = [dst.data_ptr() + src.numel() - ends[i] for i in order]
+    a.write(b.session_id, srcs, dsts, [ends[i] - starts[i] for i in order])
+    want = torch.cat([src[s:e] for s, e in zip(starts, ends)][::-1])
+    assert torch.equal(dst, want)
+    a.write(b.session_id, [], [], [])  # nothing to move is not an error
+    with pytest.raises(TransferError):
+        a.write(f"127.0.0.1:{free_port()}", [src.data_ptr()], [dst.data_ptr()], [1024])
+
+
 def test_pd_decode_retracts_and_recomputes_committed_requests(monkeypatch):
     """A decode server whose KV pool cannot hold the growth of every request it admitted retracts
     committed PD requests; each is recomputed there (a plain prefill of prompt + outputs, no second

@@ -328,3 +328,33 @@ def test_abort_mid_chunked_prefill_then_reload(abort_after_steps):
     assert got == want and meta["cached_tokens"] >= 100
     assert eng.generate(input_ids=prompt, sampling_params=SP)["output_ids"] == want
     _assert_clean(eng)
+
+
+def test_idle_server_commits_its_last_backup():
+    """A write-through backup that ends after the server's last step is acknowledged while the server
+    idles (the host copy is committed and the device node unpinned; an L3 store would follow), not
+    only when the next request arrives: an idle server polls for HiCache events. (Fails on a loop
+    that only sleeps until the next request.)"""
+    import time
+
+    import requests
+
+    from sglang.srt.testing.inprocess import InProcessServer
+
+    prompt, _ = _prompts(0, 90)
+    with InProcessServer(MODEL, "--enable-hierarchical-cache", "--hicache-write-policy", "write_through",
+                         "--max-total-tokens", "256", "--page-size", "1", "--random-seed", "0") as srv:
+        ctl = srv.scheduler.tree_cache.controller
+        copy = ctl._copy_to_host
+
+        def slow_copy(*args, **kwargs):  # every backup is still in flight when the step that queued it ends
+            time.sleep(0.05)
+            copy(*args, **kwargs)
+
+        ctl._copy_to_host = slow_copy
+        r = requests.post(srv.base_url + "/generate", json={"input_ids": prompt, "sampling_params": SP}, timeout=120)
+        assert r.status_code == 200, r.text
+        # no request follows: only the idle loop can acknowledge the copies the last steps queued
+        st = srv.wait_state(lambda st: 0 < st["host_cached_tokens"] == st["kv_cached_tokens"], "backed up",
+                            timeout=60)
+        assert st["kv_leak"] is None, st

@@ -128,6 +128,7 @@ class HiCacheController:
         self._finished: list[TransferOp] = []  # done, waiting for poll()
         self._counters = [_PoolCounter(self, i) for i in range(len(pairs))]
         self._counters_on = False
+        self._unacked = 0  # ops submitted, not yet returned by poll (scheduler thread only)
         self._load_thread = _CopyThread("hicache-load")
         self._write_thread = _CopyThread("hicache-write")
         self._load_stream = torch.cuda.Stream() if self.use_cuda else None
@@ -163,6 +164,7 @@ class HiCacheController:
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor, page_keys: list | None = None,
              on_done: Callable[[TransferOp], None] | None = None) -> TransferOp:
         """Queue a layer-wise host -> device load; getters of the pools wait per layer until it lands."""
+        self._unacked += 1
         op = TransferOp("load", host_indices, device_indices, page_keys, on_done=on_done)
         op.progress = [0] * len(self.pairs)
         op.events = [[None] * dev.layer_num for dev, _ in self.pairs]
@@ -180,6 +182,7 @@ class HiCacheController:
     def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor, page_keys: list | None = None,
                on_done: Callable[[TransferOp], None] | None = None) -> TransferOp:
         """Queue a device -> host backup of every layer of every pair (the device KV is complete)."""
+        self._unacked += 1
         op = TransferOp("backup", host_indices, device_indices, page_keys, on_done=on_done)
         op.progress = [0] * len(self.pairs)
         hp, dp = self._local(self._pages(host_indices), self._pages(device_indices))
@@ -219,6 +222,7 @@ class HiCacheController:
               on_done: Callable[[TransferOp], None] | None = None) -> TransferOp:
         """Queue an L3 write of committed host pages (`storage`) on the write thread, after the
         backups queued before it; the caller keeps the host pages pinned until the op is acked."""
+        self._unacked += 1
         op = TransferOp("store", host_indices, torch.empty(0, dtype=torch.int64), page_keys, on_done=on_done)
         pages = self._pages(host_indices)
 
@@ -353,6 +357,7 @@ class HiCacheController:
         counters are unregistered once no load is in flight."""
         with self._cv:
             done, self._finished = self._finished, []
+            self._unacked -= len(done)
             for op in done:
                 if op.kind == "load":
                     self._loads.remove(op)
@@ -373,6 +378,9 @@ class HiCacheController:
             t.submit(flag.set)
             if not flag.wait(max(deadline - time.monotonic(), 0.0)):
                 raise TimeoutError("HiCache copy thread did not drain")
+
+    def unacked_ops(self) -> int:
+        return self._unacked
 
     def in_flight_loads(self) -> int:
         with self._cv:

@@ -241,6 +241,10 @@ class AsyncBackup:
                     cache.pinned_backup_tokens += n
             node, rest, pos = child, rest[n:], pos + n
 
+    def has_attached(self) -> bool:
+        """Reservations check_events still has to commit or roll back."""
+        return any(r.attached for r in self.live)
+
     def check_events(self) -> None:
         while self._acks:
             r, pair, layer, err = self._acks.popleft()

@@ -67,6 +67,7 @@ class SchedulerStats:
     avg_spec_accept_length: float = 0.0  # speculative decoding: tokens per request per verify step
     num_grammar_queue_reqs: int = 0  # of num_waiting_reqs, those waiting for their grammar to compile
     num_retracted_reqs: int = 0  # since start: requests a decode step that ran out of KV put back in the queue
+    host_cached_tokens: int = 0  # HiCache: tokens whose KV has a committed host copy
 
 
 @dataclass

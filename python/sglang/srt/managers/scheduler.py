@@ -488,4 +488,5 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             avg_spec_accept_length=getattr(self.tp_worker, "avg_accept_length", 0.0),
             num_grammar_queue_reqs=len(self.grammar_manager),
             num_retracted_reqs=self.num_retracted_reqs,
+            host_cached_tokens=self.tree_cache.host_total_size(),
         )

@@ -32,6 +32,7 @@ from sglang.srt.utils.ipc import PortArgs, get_zmq_socket, kill_itself_when_pare
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
+EVENT_POLL_MS = 2  # idle, but HiCache copies are still to be acknowledged
 
 
 class SchedulerProcess:
@@ -44,11 +45,11 @@ class SchedulerProcess:
             self.send_to_detokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, False)
             self.send_to_tokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc_name, False)
 
-    def recv_requests(self, block: bool) -> list:
+    def recv_requests(self, block: bool, timeout_ms: int = IDLE_POLL_MS) -> list:
         msgs = []
         if self.tp_rank == 0:
             if block:
-                self.recv_from_tokenizer.poll(IDLE_POLL_MS)  # sleep until a message (or timeout)
+                self.recv_from_tokenizer.poll(timeout_ms)  # sleep until a message (or timeout)
             while True:
                 try:
                     msgs.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
@@ -81,12 +82,17 @@ class SchedulerProcess:
 
     def event_loop(self, stop: Callable[[], bool] = lambda: False) -> None:
         """Serve until `stop()` (never, in the scheduler process; in-process test servers stop)."""
+        cache = self.scheduler.tree_cache
         while not stop():
             outputs = []
-            for msg in self.recv_requests(block=not self.scheduler.has_work()):
+            copying = cache.has_pending_events()  # HiCache copies to acknowledge: poll for them
+            for msg in self.recv_requests(block=not self.scheduler.has_work(),
+                                          timeout_ms=EVENT_POLL_MS if copying else IDLE_POLL_MS):
                 outputs += self.process(msg)
             if self.scheduler.has_work():
                 outputs += self.scheduler.step()
+            elif copying:
+                cache.check_events()  # a backup that ended after the last step commits now, not at the next request
             self.ship(outputs)
 
 

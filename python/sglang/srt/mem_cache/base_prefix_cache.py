@@ -60,6 +60,12 @@ class BasePrefixCache(ABC):
     def check_events(self) -> None:
         pass
 
+    def has_pending_events(self) -> bool:
+        """Copies submitted but not yet acknowledged by check_events: an idle scheduler keeps polling
+        for them (else a backup that ended after the last step would wait for the next request).
+        Must change only in steps / check_events, so every rank of a server answers alike."""
+        return False
+
     def prepare_batch(self, batch) -> None:
         pass
 
@@ -72,6 +78,10 @@ class BasePrefixCache(ABC):
         """Make a match's host part device-resident (HiCache queues a layer-wise load); the result's
         `device_indices` then cover it. Caches without a host tier have no host part."""
         return match
+
+    def host_total_size(self) -> int:
+        """Tokens with a host copy (HiCache); 0 without a host tier."""
+        return 0
 
     def host_leak_report(self) -> str | None:
         """A host tier's leak check (host free + host cached == host total); None when fine or none."""

@@ -465,6 +465,9 @@ class HiRadixCache(RadixCache):
         if self.backup is not None:
             self.backup.check_events()
 
+    def has_pending_events(self) -> bool:
+        return self.controller.unacked_ops() > 0 or (self.backup is not None and self.backup.has_attached())
+
     def prepare_batch(self, batch) -> None:
         if self.backup is not None:
             self.backup.prepare_batch(batch)

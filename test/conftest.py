@@ -16,3 +16,9 @@ def builtin_path():
     from sglang.srt.model_loader.builtin import resolve_model_path
 
     return lambda name: resolve_model_path(f"builtin:{name}")
+
+
+def pytest_configure(config):
+    # The suite has a time budget (README): every run lists its slowest tests, unless asked otherwise.
+    if getattr(config.option, "durations", None) is None:
+        config.option.durations = 25

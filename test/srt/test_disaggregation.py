@@ -410,6 +410,55 @@ def test_pd_prefill_abort_frees_both_sides():
     _no_leak(p, d)
 
 
+def _abort_chunked_prefill(overlap: bool, by: str, at: str):
+    """A 200-token prompt prefilled in 64-token chunks (64, 64, 64, 8); `at`: "mid" (chunk 2 of 4 in
+    flight under overlap, or between chunks 2 and 3 without), "last" (chunk 4 in flight, or between
+    chunks 3 and 4). Aborts it there by the client (prefill side) or by the decode side (AbortRoom),
+    then steps the prefill side once. Returns (p, d, that step's outputs, chunks launched by it)."""
+    p, d, port = _pair(chunked_prefill_size=64, disable_overlap_schedule=not overlap)
+    room, ids = next(_rooms), [random.Random(29).randrange(5, 900) for _ in range(200)]
+    p.add_request(_req("c0", ids, 20, room, port))
+    d.add_request(_req("c0", ids, 20, room, port))
+    d.step()  # registers (preallocated)
+    assert p.bootstrap.poll(5000)  # the Register is read by the next prefill step
+    for _ in range((2 if at == "mid" else 4) - (0 if overlap else at == "last")):
+        p.step()
+    assert room in p.pd_regs
+    req = p.in_flight[0].reqs[0] if overlap else p.chunked_req
+    assert req.rid == "c0" and req.is_chunked == (at == "mid" or not overlap)
+    assert p.tree_cache.protected_size() > 0  # its chunks so far are locked in the radix cache
+    if by == "client":
+        assert p.abort_request("c0") == []  # deferred: a step may still write its KV
+    else:
+        assert d.abort_request("c0")[0].finished_reason["type"] == "abort"
+        assert p.bootstrap.poll(5000)  # the AbortRoom is read by the next prefill step
+    launched = p.forward_ct
+    outs = p.step()
+    return p, d, outs, p.forward_ct - launched
+
+
+@pytest.mark.parametrize("at", ["mid", "last"])
+@pytest.mark.parametrize("by", ["client", "decode"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_pd_abort_during_chunked_prefill_frees_at_once(overlap, by, at):
+    """An abort while a prompt is prefilled in chunks -- its chunk in flight (overlap), between two
+    chunks, or on its last chunk; from the client or the decode side -- ends it on the prefill side
+    in the next step: no further chunk runs, its pages and its radix-cache lock are released (a
+    chunk in flight under overlap used to be continued to the end of the prompt, holding both, and
+    the request counted as neither running nor waiting). Then both sides end with nothing held."""
+    p, d, outs, launched = _abort_chunked_prefill(overlap, by, at)
+    assert launched == 0, f"{launched} more chunk(s) launched for the aborted request"
+    assert [o.finished_reason["type"] for o in outs if o.rid == "c0"] == ["abort"], outs
+    assert not p.has_work() and p.tree_cache.protected_size() == 0 and p.kv_leak_report() is None
+    for _ in range(2000):
+        if not (p.has_work() or d.has_work()):
+            break
+        p.step()
+        d.step()
+    assert not d.pd_transfers and not p.pd_rooms  # the decode side got its answer: preallocation freed
+    _no_leak(p, d)
+
+
 def test_cp2_prefill_with_speculative_decode():
     """CP = 2 prefill + EAGLE on both servers: draft KV pages move per rank like the target's, the
     draft state comes from rank 0; tokens equal a combined EAGLE server."""

@@ -180,6 +180,25 @@ def test_abort_in_flight_emits_nothing_more_and_frees_kv():
     assert sched.allocator.available_size() + sched.tree_cache.total_size() == free0
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_abort_mid_chunked_prefill_stops_it(overlap):
+    """A client abort while a prompt is prefilled in chunks -- under overlap its chunk is in flight
+    then, the request in no queue -- ends it in the next step: no further chunk is launched, its KV
+    and its radix-cache lock are released (it used to run every remaining chunk first)."""
+    sched = _engine(overlap, chunked_prefill_size=16).scheduler
+    _submit(sched, "long", [(7 * j) % 900 + 5 for j in range(100)], 8)  # 7 chunks
+    sched.step()
+    sched.step()
+    assert sched.in_flight[0].reqs[0].is_chunked if overlap else sched.chunked_req is not None
+    assert sched.tree_cache.protected_size() > 0  # its first chunk(s), locked in the radix cache
+    assert sched.abort_request("long") == []
+    launched = sched.forward_ct
+    outs = sched.step()
+    assert sched.forward_ct == launched, "another chunk of the aborted prompt was launched"
+    assert [(o.rid, o.finished_reason["type"]) for o in outs if o.finished_reason] == [("long", "abort")]
+    assert not sched.has_work() and sched.tree_cache.protected_size() == 0 and sched.kv_leak_report() is None
+
+
 def test_prefix_cache_lifecycle_hooks():
     """check_events once per scheduler iteration, prepare_batch once per launch (before the worker
     runs it), on_batch_done once per batch after its results are applied, in launch order."""

@@ -185,11 +185,13 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def step(self) -> list[ReqOutput]:
         """One scheduler iteration: launch the next step, process the previous one's results (with
         overlap the two run concurrently; without, the step launched here is processed here)."""
-        outputs = self._drain_aborts()
-        outputs += self.move_ready_grammar_requests()
+        outputs = self.move_ready_grammar_requests()
         self.tree_cache.check_events()
         if self.in_flight is not None and not self._can_prepare_while_in_flight():
             outputs += self._process_in_flight()
+        # After the results the next batch needs: a processed prefill chunk hands its request back
+        # as `chunked_req`, and the next batch would continue an aborted one to the prompt's end.
+        outputs += self._drain_aborts()
         batch = self.get_next_batch_to_run()
         launched = (batch, self.run_batch(batch)) if batch is not None else None
         if self.in_flight is not None:

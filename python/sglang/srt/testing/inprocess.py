@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import traceback
 
-import requests
 import uvicorn
 
 from sglang.srt.disaggregation import scheduler_class
 from sglang.srt.server_args import prepare_server_args
-from sglang.srt.testing.server import ServerClient
+from sglang.srt.testing.server import ServerClient, wait_healthy
 from sglang.srt.utils.ipc import PortArgs, free_port
 
 logger = logging.getLogger(__name__)
@@ -46,20 +44,14 @@ class InProcessServer(ServerClient):
         self._threads = [self._thread("scheduler", lambda: self._proc.event_loop(self._stop.is_set)),
                          self._thread("detokenizer", lambda: self._detokenizer(sa, port_args)),
                          self._thread("http", lambda: self._serve_http(sa, port_args))]
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.error is not None:
-                self.stop()
-                raise RuntimeError(f"in-process server failed to start:\n{self.error}")
-            try:
-                if requests.get(self.base_url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"in-process server not healthy after {timeout}s")
-            time.sleep(0.05)
+        try:
+            wait_healthy(self.base_url, timeout,
+                         lambda: self.error and f"in-process server failed to start:\n{self.error}")
+        except BaseException as e:
+            self.stop()
+            if isinstance(e, TimeoutError):
+                raise RuntimeError(f"in-process server {e}") from None
+            raise
 
     def _thread(self, name: str, fn) -> threading.Thread:
         def run() -> None:

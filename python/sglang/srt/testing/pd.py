@@ -9,11 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
-import requests
-
-from sglang.srt.testing.server import ServerClient, ServerProcess
+from sglang.srt.testing.server import ServerClient, ServerProcess, wait_healthy
 from sglang.srt.utils.ipc import free_port
 
 
@@ -26,19 +23,12 @@ class RouterProcess:
         urls = [a for u in prefill_urls for a in ("--prefill", u)] + [a for u in decode_urls for a in ("--decode", u)]
         self.proc = subprocess.Popen([sys.executable, "-m", "sglang.srt.disaggregation.router", "--pd-disaggregation",
                                       *urls, "--port", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode}: {open(self.log_path).read()[-4000:]}")
-            try:
-                if requests.get(self.base_url + "/health", timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("router not healthy")
-            time.sleep(0.2)
+        try:
+            wait_healthy(self.base_url, timeout, lambda: None if self.proc.poll() is None else
+                         f"router exited with {self.proc.returncode}: {open(self.log_path).read()[-4000:]}")
+        except TimeoutError as e:
+            self.stop()
+            raise RuntimeError(f"router {e}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -15,6 +15,25 @@ import requests
 from sglang.srt.utils.ipc import free_port
 
 
+def wait_healthy(base_url: str, timeout: float, failed: Callable[[], str | None] | None = None) -> None:
+    """Until GET {base_url}/health answers 200. `failed()` returns an error message (with the log)
+    once the server's process or thread died: RuntimeError with it at once, not after the timeout.
+    TimeoutError("not healthy after {timeout}s") when the time runs out; the caller stops the server."""
+    deadline = time.monotonic() + timeout
+    while True:
+        error = failed() if failed is not None else None
+        if error is not None:
+            raise RuntimeError(error)
+        try:
+            if requests.get(base_url + "/health", timeout=1).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not healthy after {timeout}s")
+        time.sleep(0.05)
+
+
 class ServerClient:
     """A running server at `base_url` (a process or in-process): what tests read from it, and stop()."""
 
@@ -52,22 +71,16 @@ class ServerProcess(ServerClient):
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"sglang-server-{self.port}.log")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
-            try:
-                if requests.get(self.base_url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log()}")
-            time.sleep(0.3)
+        try:
+            wait_healthy(self.base_url, timeout, lambda: None if self.proc.poll() is None else
+                         f"server exited with {self.proc.returncode} during start-up:\n{self.log()}")
+        except TimeoutError as e:
+            self.stop()
+            raise RuntimeError(f"server {e}:\n{self.log()}") from None
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # stop() closes it
+            self._log.flush()
         with open(self.log_path) as f:
             return f.read()[-8000:]
 

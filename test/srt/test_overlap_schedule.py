@@ -190,6 +190,7 @@ def test_abort_mid_chunked_prefill_stops_it(overlap):
     sched.step()
     sched.step()
     assert sched.in_flight[0].reqs[0].is_chunked if overlap else sched.chunked_req is not None
+    assert sched.get_stats().num_running_reqs == 1  # counted while its chunk is in flight (in no list)
     assert sched.tree_cache.protected_size() > 0  # its first chunk(s), locked in the radix cache
     assert sched.abort_request("long") == []
     launched = sched.forward_ct

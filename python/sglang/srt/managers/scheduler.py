@@ -473,9 +473,16 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             return "request slot leak"
         return self.tree_cache.host_leak_report()  # HiCache: host free + host cached == host total
 
+    def _num_running_reqs(self) -> int:
+        """Requests being computed: running, between chunks, or prefilling in the step in flight
+        (under overlap a prefill's request is in no list until its step is processed)."""
+        in_flight = self.in_flight[0].reqs if self.in_flight is not None else []
+        reqs = {id(r): r for r in [*self.running, *([self.chunked_req] if self.chunked_req else []), *in_flight]}
+        return sum(1 for r in reqs.values() if not r.finished())
+
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running_reqs=len(self.running) + (1 if self.chunked_req else 0),
+            num_running_reqs=self._num_running_reqs(),
             num_waiting_reqs=len(self.waiting_queue) + len(self.grammar_manager),
             kv_total_tokens=self.max_total_num_tokens,
             kv_free_tokens=self.allocator.available_size(),

@@ -185,8 +185,8 @@ def test_abort_mid_chunked_prefill_stops_it(overlap):
     """A client abort while a prompt is prefilled in chunks -- under overlap its chunk is in flight
     then, the request in no queue -- ends it in the next step: no further chunk is launched, its KV
     and its radix-cache lock are released (it used to run every remaining chunk first)."""
-    sched = _engine(overlap, chunked_prefill_size=16).scheduler
-    _submit(sched, "long", [(7 * j) % 900 + 5 for j in range(100)], 8)  # 7 chunks
+    sched = _engine(overlap, chunked_prefill_size=64).scheduler  # a multiple of CUDA's default page (64)
+    _submit(sched, "long", [(7 * j) % 900 + 5 for j in range(400)], 8)  # 7 chunks
     sched.step()
     sched.step()
     assert sched.in_flight[0].reqs[0].is_chunked if overlap else sched.chunked_req is not None

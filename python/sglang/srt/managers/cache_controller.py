@@ -384,6 +384,12 @@ class HiCacheController:
                 op.on_done(op)
         return done
 
+    def wait_done(self, op: TransferOp, timeout: float = 60.0) -> None:
+        """Block until `op` has finished (it is acknowledged by the next poll)."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: op.done, timeout):
+                raise TimeoutError(f"HiCache {op.kind} op {op.id} did not finish in {timeout} s")
+
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Block until both copy threads have drained their queues (tests, flush, shutdown)."""
         deadline = time.monotonic() + timeout

@@ -156,7 +156,8 @@ def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
             dst[i].copy_(src[i], non_blocking=True)
         return
     dev = dst.device if dst.device.type == "cuda" else src.device
-    err = fn(*memcpy2d_args(dst, src), _CUDA_MEMCPY_DEFAULT, ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream))
+    stream = ctypes.c_void_p(torch.cuda.current_stream(dev).cuda_stream)
+    err = fn(*memcpy2d_args(dst, src), _CUDA_MEMCPY_DEFAULT, stream)
     if err:
         raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
 

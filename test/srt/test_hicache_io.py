@@ -19,6 +19,7 @@ from sglang.srt.mem_cache import hicache_io
 from sglang.srt.mem_cache.hicache_io import PageRuns, backup_pages, load_pages, memcpy2d_args
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.mem_cache.memory_pool_host import HostKVPool, HostPageAllocator
+from sglang.srt.testing.sync_guard import HostSyncError, no_host_sync
 
 DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
 PIN = DEVICE == "cuda"
@@ -145,6 +146,39 @@ def test_backup_and_load_equal_the_plain_twin(payload, mapping, page_first, path
     _sync()
     assert torch.equal(_bytes(back), _bytes(back_want))
     assert torch.equal(_bytes(back)[dst], _bytes(dev)[dp])
+
+
+@pytest.mark.parametrize("path", ["direct", "kernel"])
+@pytest.mark.parametrize("page_first", [False, True], ids=["layer_first", "page_first"])
+def test_planned_copies_queue_without_a_host_sync(page_first, path):
+    """Once planned (and the page lists uploaded), a layer's backup and load read nothing back to the
+    host (CUDA: sync debug mode "error"; CPU: the guard's patched read-backs), so the copy thread
+    queues every layer before it waits once. Staging is forced (device-scattered map, 2-page chunks)."""
+    dtype, row = PAYLOADS["kv_bf16"]
+    hp, dp = (_t(x) for x in MAPS["mixed"])
+    dev = _random((13, row), dtype, seed=11).to(DEVICE)
+    host, back = _host_view(12, row, dtype, page_first), torch.zeros_like(dev)
+    runs = PageRuns(hp, dp, 2)
+    for c in runs.chunks:  # what the first layer of an op does before the guarded layers
+        c.on(dev.device)
+    h, d = runs.pages_on(dev.device)
+    _sync()
+    with no_host_sync():
+        if path == "kernel":
+            copy_pages(dev, host, d, h)
+            copy_pages(host, back, h, d)
+        else:
+            backup_pages(runs, dev, host)
+            load_pages(runs, host, back)
+    _sync()
+    assert torch.equal(_bytes(back)[dp], _bytes(dev)[dp])
+
+
+def test_the_sync_guard_sees_planning():
+    """The guard above can fail: planning reads the page lists on the host (why an op plans once,
+    before its layers, and not inside each layer's copies)."""
+    with pytest.raises(HostSyncError, match="hicache_io.py"), no_host_sync():
+        PageRuns(_t(MAPS["mixed"][0]), _t(MAPS["mixed"][1]), 2)
 
 
 def test_memcpy2d_descriptor_moves_the_rows_of_a_strided_view():

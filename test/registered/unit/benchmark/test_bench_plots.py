@@ -13,7 +13,7 @@ _ROOT = Path(__file__).resolve().parents[4] / "benchmark"
 
 
 @pytest.mark.parametrize("script", ["serving/bench_serving.py", "indexcache/bench_indexcache.py",
-                                    "offline/bench_engine_vs_hf.py"])
+                                    "offline/bench_engine_vs_hf.py", "hicache/bench_hicache.py"])
 def test_plot_without_matplotlib_is_a_clear_message(script, tmp_path, monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location(f"_bench_{Path(script).stem}", _ROOT / script)
     mod = importlib.util.module_from_spec(spec)

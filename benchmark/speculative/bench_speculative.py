@@ -96,9 +96,13 @@ def check_outputs(plain, spec, worker, prompts, sp, targets, deterministic: bool
     gen = dict(return_logprob=True, top_logprobs_num=2)
     ref = plain.generate(input_ids=prompts, sampling_params=sp, **gen)
     noise = 0.0
-    if not deterministic:
-        alone = [plain.generate(input_ids=p, sampling_params=sp, **gen) for p in prompts[:4]]
-        noise = batch_shape_noise(alone, ref[:4])
+    if not deterministic:  # the same prompts alone vs in a batch of >= 4 (at bs 1 the timed batch is one row)
+        g = torch.Generator().manual_seed(1)
+        extra = torch.randint(5, min(plain.model_config.vocab_size, 1000), (4, len(prompts[0])), generator=g).tolist()
+        probe = (prompts + extra)[:max(4, len(prompts))]
+        batched = plain.generate(input_ids=probe, sampling_params=sp, **gen)
+        alone = [plain.generate(input_ids=p, sampling_params=sp, **gen) for p in probe[:4]]
+        noise = batch_shape_noise(alone, batched[:4])
     tol = verify_tolerance(noise)
     first_diff = {}
     for m in MODES:

@@ -46,6 +46,23 @@ def _key(o: dict) -> tuple:
     return o["output_ids"], str(m["finish_reason"]), m["completion_tokens"], lps
 
 
+def _count_graph_replays(worker) -> dict[str, int]:
+    """Counts replays of the target's and the draft's CUDA graphs (none on CPU: no runner)."""
+    counts = {"target": 0, "draft": 0}
+    for name, runner in (("target", worker.target.model_runner), ("draft", worker.draft_runner)):
+        g = runner.cuda_graph_runner
+        if g is None:
+            continue
+        replay = g.replay
+
+        def counted(fb, _replay=replay, _name=name):
+            counts[_name] += 1
+            return _replay(fb)
+
+        g.replay = counted
+    return counts
+
+
 def _whole(engine: Engine) -> None:
     s = engine.scheduler
     assert not s.has_work() and s.kv_leak_report() is None
@@ -63,7 +80,10 @@ def test_greedy_equals_plain_with_random_right_and_wrong_drafts(engine_kw):
     spec = _engine(True, **engine_kw)
     worker = spec.scheduler.tp_worker
     assert worker.num_tokens_per_req == 4
+    replays = _count_graph_replays(worker)
     outs = spec.generate(input_ids=prompts, sampling_params=params, **gen)
+    if DEVICE == "cuda":  # both the target verify and the draft decode ran from their CUDA graphs
+        assert replays["target"] and replays["draft"], replays
     assert [_key(o) for o in outs] == [_key(o) for o in ref]
     m = outs[0]["meta_info"]  # upstream's fields: completion tokens per verify step
     assert m["spec_verify_ct"] > 0 and m["spec_accept_length"] == m["completion_tokens"] / m["spec_verify_ct"]

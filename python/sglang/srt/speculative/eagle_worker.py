@@ -315,10 +315,11 @@ class EAGLEWorker:
         lo = self.target.model_runner.forward(fb)
         sample, picks, accepted = self._sample_verify(reqs, lo.full_logits, drafts, slots)
         acc = accepted.tolist()  # the next draft extend's shape depends on it
-        keep = torch.tensor([i * n + j for i, a in enumerate(acc) for j in range(a + 1)], device=self.device)
+        keep_host = torch.tensor([i * n + j for i, a in enumerate(acc) for j in range(a + 1)], dtype=torch.int64)
+        keep = upload(keep_host, self.device)
         topk = lo.topk_indices[keep] if lo.topk_indices is not None else None
         self._draft_extend(reqs, batch.prefix_lens, [a + 1 for a in acc], picks.reshape(-1)[keep],
-                           lo.hidden_states[keep], topk, batch.out_cache_loc[keep])
+                           lo.hidden_states[keep], topk, batch.out_cache_loc[keep_host])  # KV slots: host
         self.kv_len[slots] = torch.tensor(batch.prefix_lens, device=self.device) + accepted + 1
         return SpecDecodeOutput(self, batch, n, picks, accepted, sample).to_host()
 

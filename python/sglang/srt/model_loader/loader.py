@@ -80,6 +80,17 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
             p.fill_(1.0)
 
 
+def model_weight_bytes(model_config: ModelConfig, tp_group: GroupCoordinator = SINGLE_GROUP,
+                       **parallel: object) -> int:
+    """Bytes the model's parameters and buffers will take on the device, from an instance on the
+    meta device (nothing allocated): the plan's figure for a model loaded after it (a draft)."""
+    cls = resolve_model_class(model_config.architecture)
+    with default_dtype(model_config.dtype), torch.device("meta"):
+        model = cls(model_config.hf_config, max_position=model_config.context_len, tp_group=tp_group, **parallel)
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def get_model(model_config: ModelConfig, device: str = "cpu", tp_group: GroupCoordinator = SINGLE_GROUP,
               load_format: str = "auto", **parallel: object) -> nn.Module:
     """`parallel`: expert-parallel options for the model class (ep_group, moe_dispatch)."""

@@ -1,0 +1,133 @@
+"""ModelRunner's side of the memory plan on CPU: the profile forward of the largest step (its batch
+equals a plain prefill of the same tokens, and it leaves the runner's own pools alone), the GPU
+planning path with the device's numbers faked (profile vs arithmetic, the profile running out of
+memory), the draft's weights counted before it loads, and the CPU pool sizing unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_executor import memory_profile
+from sglang.srt.model_executor.memory_plan import GiB, MemoryPlanError, draft_memory_needs
+from sglang.srt.model_executor.memory_profile import profile_requests, run_profile_forward
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_loader.loader import get_model, model_weight_bytes
+from sglang.srt.model_loader.tiny_models import make_tiny_checkpoint
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.testing.runner_utils import prefill_all_logits
+
+CTX = 64
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("memplan") / "v32"), arch="deepseek_v32", mtp_layer=True)
+
+
+@pytest.fixture(scope="module")
+def runner(ckpt):
+    sa = ServerArgs(model_path=ckpt, dtype="float32", device="cpu", max_total_tokens=512, context_length=CTX,
+                    chunked_prefill_size=128).resolve()
+    return ModelRunner(ModelConfig(ckpt, "float32", context_length=CTX), sa)
+
+
+def test_profile_requests_end_at_the_context_length():
+    assert profile_requests(8192, 163840) == [(163840 - 8192, 8192)]
+    assert profile_requests(100, 64) == [(0, 64), (28, 36)]
+    assert sum(n for _, n in profile_requests(1000, 64)) == 1000
+
+
+def test_profile_forward_is_a_prefill_of_its_tokens(runner):
+    """128 tokens over a 64-token context: two whole requests with no prefix, i.e. exactly a plain
+    prefill of the same ids; the runner's own pools are not touched."""
+    kv = [b.clone() for b in runner.token_to_kv_pool.kv_buffer]
+    pools = (runner.req_to_token_pool, runner.token_to_kv_pool)
+    out = run_profile_forward(runner, 128, CTX, seed=3)
+    assert (runner.req_to_token_pool, runner.token_to_kv_pool) == pools
+    assert all(torch.equal(a, b) for a, b in zip(kv, runner.token_to_kv_pool.kv_buffer))
+    ids = torch.randint(0, runner.model_config.vocab_size, (128,), generator=torch.Generator().manual_seed(3))
+    ref = prefill_all_logits(runner, [ids[:64].tolist(), ids[64:].tolist()])
+    torch.testing.assert_close(out.next_token_logits, torch.stack([r[-1] for r in ref]), rtol=1e-5, atol=1e-5)
+
+
+def test_profile_forward_over_a_prefix_of_the_padding_page(runner):
+    out = run_profile_forward(runner, 100, CTX)  # the second request's 36 rows end at position 63
+    assert out.next_token_logits.shape == (2, runner.model_config.vocab_size)
+    assert torch.isfinite(out.next_token_logits).all()
+
+
+def _fake_device(monkeypatch, free: int, total: int, measured, runner=None):
+    """A GPU of `total` bytes with `free` left after the weights; the profile forward measures
+    `measured` bytes (or raises it). The runner's --max-total-tokens is lifted for the call."""
+    if runner is not None:
+        monkeypatch.setattr(runner.server_args, "max_total_tokens", None)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: calls.append("mem_get_info") or (free, total))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+
+    def profile(runner, tokens, ctx):
+        if isinstance(measured, BaseException):
+            raise measured
+        return measured
+
+    monkeypatch.setattr(memory_profile, "profile_step_peak", profile)
+    return calls
+
+
+@pytest.mark.parametrize("measured_gib", [0.001, 3.0])
+def test_gpu_plan_takes_the_larger_of_profile_and_arithmetic(runner, monkeypatch, measured_gib):
+    calls = _fake_device(monkeypatch, free=20 * GiB, total=24 * GiB, measured=int(measured_gib * GiB), runner=runner)
+    plan = runner.plan_device_memory(runner._bytes_per_token())
+    # free memory is read only once the allocator gave back what loading left cached
+    assert calls and all(calls[i - 1] == "empty_cache" for i, c in enumerate(calls) if c == "mem_get_info")
+    assert plan.activations >= int(measured_gib * GiB)
+    if measured_gib > 1:  # the tiny model's arithmetic is a few MB: the profile decides
+        assert plan.activations == int(measured_gib * GiB)
+    assert plan.step_tokens == 128 and plan.cuda_graphs == 0  # CPU backends: no graphs planned
+    assert plan.free_after_kv >= plan.reserve and plan.kv_tokens > 0
+
+
+def test_gpu_plan_profile_out_of_memory_names_the_flags(runner, monkeypatch):
+    _fake_device(monkeypatch, free=20 * GiB, total=24 * GiB, measured=torch.OutOfMemoryError("CUDA out of memory"))
+    with pytest.raises(MemoryPlanError, match="--chunked-prefill-size"):
+        runner.plan_device_memory(runner._bytes_per_token())
+
+
+def test_gpu_plan_counts_the_draft_before_it_loads(runner, monkeypatch):
+    _fake_device(monkeypatch, free=4 * GiB, total=8 * GiB, measured=0, runner=runner)
+    base = runner.plan_device_memory(runner._bytes_per_token())
+    with_draft = runner.plan_device_memory(runner._bytes_per_token(), extra_weight_bytes=GiB // 4,
+                                           extra_reserve_bytes=GiB // 8)
+    assert with_draft.weights == base.weights + GiB // 4
+    assert with_draft.cuda_graphs == base.cuda_graphs + GiB // 8
+    assert with_draft.kv_tokens < base.kv_tokens
+
+
+def test_model_weight_bytes_is_what_loading_allocates(ckpt):
+    for mc in (ModelConfig(ckpt, "float32"), ModelConfig(ckpt, "bfloat16", is_draft_model=True)):
+        model = get_model(mc, "cpu", load_format="dummy")
+        loaded = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        assert model_weight_bytes(mc) == loaded
+    sa = ServerArgs(model_path=ckpt, device="cpu").resolve()
+    weights, graphs = draft_memory_needs(ModelConfig(ckpt, "bfloat16", is_draft_model=True), sa,
+                                         runner_group())
+    assert weights == model_weight_bytes(ModelConfig(ckpt, "bfloat16", is_draft_model=True)) and graphs > 0
+
+
+def runner_group():
+    from sglang.srt.distributed.parallel_state import SINGLE_GROUP
+
+    return SINGLE_GROUP
+
+
+def test_cpu_pool_sizing_is_unchanged(ckpt):
+    """CPU keeps its fixed byte budget (no device plan): the same tokens as before the plan."""
+    from sglang.srt.model_executor.model_runner import CPU_KV_BUDGET_BYTES
+
+    sa = ServerArgs(model_path=ckpt, dtype="float32", device="cpu").resolve()
+    r = ModelRunner(ModelConfig(ckpt, "float32"), sa)
+    assert r.memory_plan is None
+    per = r._bytes_per_token()
+    assert r.max_total_num_tokens <= CPU_KV_BUDGET_BYTES // per and r.max_total_num_tokens > 0

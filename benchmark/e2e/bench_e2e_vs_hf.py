@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from sglang.bench_plot import import_pyplot
+
 CONFIG_CLASSES = {"deepseek-v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
                   "glm-5": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")}
 SMOKE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
@@ -175,10 +177,9 @@ def _measure(args, gen, median_step, prefill) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     bss = sorted(int(b) for b in result["ours"]["generate"])

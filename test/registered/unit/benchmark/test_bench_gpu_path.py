@@ -57,6 +57,19 @@ def test_e2e_bench_bad_experts_fail_before_running():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--experts 12" in proc.stderr and "--experts 16" in proc.stderr
 
+
+def test_memory_fit_smoke(tmp_path):
+    """benchmark/e2e/memory_fit.py (the memory plan's GPU check) on CPU: one config in its own
+    process, the load-alone step and every admitted-request case, JSON written."""
+    out = _run([str(_ROOT / "benchmark/e2e/memory_fit.py"), "--smoke", "--out-dir", str(tmp_path)]).stdout
+    result = json.loads((tmp_path / "memory_fit_smoke.json").read_text())
+    cfg = result["configs"]["2x4"]
+    assert cfg["load_alone"]["param_bytes"] > 0 and cfg["plan"] is None  # CPU: no device plan
+    assert set(cfg["cases"]) == {"max_prefill_one_prompt", "max_prefill_4_prompts", "long_prompt",
+                                 "decode_256_requests"}
+    assert all(c["ok"] for c in cfg["cases"].values()) and cfg["cases"]["long_prompt"]["tokens"] == 96
+    assert "every config fits" in out
+
 def test_every_serving_kernel_compiles_for_sm90():
     """The interpreter never runs Triton's compiler: this builds each launch of the serving path at
     real V3.2 shapes for the H200 and checks shared memory, with no GPU."""

@@ -1,0 +1,224 @@
+"""Does the memory plan hold on this GPU? For each V3.2-shape config (--configs LAYERSxEXPERTS,
+transformers' DeepseekV32Config sizes, dummy weights, the server's default flags):
+
+1. the model alone is loaded with --load-format dummy: the loading peak beyond the weights (the
+   dummy init draws in place, chunk by chunk: tens of MB, never a float32 copy of a tensor);
+2. the engine starts (the Scheduler and ModelRunner the server runs): its memory plan (weights,
+   reserve, KV tokens, what is left free), or the start-up error naming the flags;
+3. the largest requests it admits run one after the other: one prompt of --max-prefill-tokens
+   tokens, prompts summing to --max-prefill-tokens at once, a 32K prompt (--long-prompt), and a
+   decode batch of --max-running-requests (256) requests; per case the peak allocated memory, the
+   free memory after it, and whether the peak stayed within weights + KV + reserve.
+
+Each config runs in a subprocess of its own (a fresh allocator). JSON under --out-dir (one file for
+all configs); the exit status is non-zero when a config ran out of memory or did not start.
+
+    python benchmark/e2e/memory_fit.py --configs 2x16,2x256,3x16,3x256 --out-dir /tmp/out
+    python benchmark/e2e/memory_fit.py --smoke      # tiny shapes on CPU: exercises the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_e2e_vs_hf import make_config_dir  # noqa: E402
+
+GiB = 2**30
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _mem(device: str) -> dict:
+    if device != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"allocated": torch.cuda.memory_allocated(), "peak_allocated": torch.cuda.max_memory_allocated(),
+            "reserved": torch.cuda.memory_reserved(), "free": free, "total": total}
+
+
+def _reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def load_alone(path: str, args) -> dict:
+    """The model loaded with dummy weights, nothing else: weights and the loading peak beyond them."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import get_model
+
+    _sync(args.device)
+    _reset_peak(args.device)
+    before = _mem(args.device).get("allocated", 0)
+    t0 = time.perf_counter()
+    model = get_model(ModelConfig(path, args.dtype), args.device, load_format="dummy")
+    _sync(args.device)
+    out = {"seconds": time.perf_counter() - t0,
+           "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    m = _mem(args.device)
+    if m:
+        out.update(weights=m["allocated"] - before, peak_beyond_weights=m["peak_allocated"] - m["allocated"])
+    del model
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def cases(sa, args) -> list[tuple[str, list[int], int]]:
+    """(name, prompt lengths submitted at once, new tokens)."""
+    n = args.max_prefill_tokens or sa.max_prefill_tokens
+    many = max(1, n // args.many_len)
+    running = sa.max_running_requests or 256
+    return [("max_prefill_one_prompt", [n], 1),
+            (f"max_prefill_{many}_prompts", [n // many] * many, 1),
+            ("long_prompt", [args.long_prompt], 2),
+            (f"decode_{running}_requests", [args.decode_prompt_len] * running, args.decode_tokens)]
+
+
+def run_config(layers: int, experts: int, args) -> dict:
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.model_executor.memory_plan import MemoryPlanError
+
+    path = make_config_dir("deepseek-v32", layers, args.smoke, n_routed_experts=experts)
+    res: dict = {"layers": layers, "experts": experts, "load_alone": load_alone(path, args)}
+    print(f"  {layers}x{experts}: loaded alone {res['load_alone']}", file=sys.stderr, flush=True)
+    flags = dict(model_path=path, tokenizer_path=path, load_format="dummy", dtype=args.dtype, device=args.device,
+                 random_seed=0, **({"context_length": args.context_length} if args.context_length else {}),
+                 **({"max_prefill_tokens": args.max_prefill_tokens} if args.max_prefill_tokens else {}),
+                 **({"chunked_prefill_size": args.chunked_prefill_size} if args.chunked_prefill_size else {}))
+    t0 = time.perf_counter()
+    try:
+        engine = Engine(**flags)
+    except MemoryPlanError as e:  # the card cannot hold this config: the message names the flags
+        res["start_error"] = str(e)
+        return res
+    res["start_seconds"] = time.perf_counter() - t0
+    sa = engine.server_args
+    worker = engine.scheduler.tp_worker
+    runner = getattr(worker, "target", worker).model_runner
+    plan = runner.memory_plan
+    res["plan"] = plan.as_dict() if plan is not None else None
+    res["plan_text"] = plan.describe() if plan is not None else None
+    res["profiled_activation_bytes"] = getattr(runner, "profiled_activation_bytes", None)
+    res["max_total_num_tokens"] = runner.max_total_num_tokens
+    res["after_start"] = _mem(args.device)
+    print(f"  {layers}x{experts}: {res['plan_text']}", file=sys.stderr, flush=True)
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    res["cases"] = {}
+    for name, lens, new in cases(sa, args):
+        prompts = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lens]
+        sp = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
+        _sync(args.device)
+        _reset_peak(args.device)
+        row: dict = {"prompt_lens": sorted(set(lens)), "requests": len(lens), "tokens": sum(lens), "new_tokens": new}
+        t0 = time.perf_counter()
+        try:
+            outs = engine.generate(input_ids=prompts, sampling_params=[sp] * len(prompts))
+            _sync(args.device)
+            row["ok"] = len(outs) == len(prompts)
+        except torch.OutOfMemoryError as e:
+            row.update(ok=False, oom=str(e).splitlines()[0])
+        row["seconds"] = time.perf_counter() - t0
+        row["memory"] = _mem(args.device)
+        if plan is not None and row["memory"]:
+            row["within_plan"] = row["memory"]["peak_allocated"] <= plan.weights + plan.kv_bytes + plan.reserve
+        res["cases"][name] = row
+        print(f"  {layers}x{experts} {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
+        if not row["ok"]:
+            break
+    return res
+
+
+def _summary(r: dict) -> str:
+    if "start_error" in r:
+        return f"{r['layers']}x{r['experts']}: did not start: {r['start_error']}"
+    p = r.get("plan")
+    if p is None:
+        return f"{r['layers']}x{r['experts']}: no device plan (CPU); cases " + ", ".join(
+            f"{n} {'ok' if c['ok'] else 'failed'}" for n, c in r.get("cases", {}).items())
+    lines = [f"{r['layers']}x{r['experts']}: weights {p.get('weights', 0) / GiB:.2f} GiB, reserve "
+             f"{p.get('reserve', 0) / GiB:.2f} GiB (activations {p.get('activations', 0) / GiB:.2f}, graphs "
+             f"{p.get('cuda_graphs', 0) / GiB:.2f}), KV {r.get('max_total_num_tokens')} tokens, load peak beyond the "
+             f"weights {r['load_alone'].get('peak_beyond_weights', 0) / 2**20:.0f} MiB"]
+    for name, c in r.get("cases", {}).items():
+        m = c.get("memory") or {}
+        lines.append(f"    {name:28s} {'ok ' if c['ok'] else 'OOM'} peak {m.get('peak_allocated', 0) / GiB:6.2f} GiB, "
+                     f"free after {m.get('free', 0) / GiB:6.2f} GiB, within plan {c.get('within_plan')}, "
+                     f"{c['seconds']:.1f} s")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="2x16,2x256,3x16,3x256", help="LAYERSxEXPERTS, comma-separated")
+    p.add_argument("--long-prompt", type=int, default=32768)
+    p.add_argument("--many-len", type=int, default=1024, help="prompt length of the many-prompt prefill")
+    p.add_argument("--decode-prompt-len", type=int, default=256)
+    p.add_argument("--decode-tokens", type=int, default=8)
+    p.add_argument("--max-prefill-tokens", type=int, default=None, help="default: the server's")
+    p.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the server's")
+    p.add_argument("--context-length", type=int, default=None, help="default: the config's (163840)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--timeout", type=int, default=150, help="seconds per config")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not memory)")
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.smoke:
+        args.device, args.dtype = "cpu", "float32"
+        args.configs = "2x4" if args.configs == p.get_default("configs") else args.configs
+        args.long_prompt, args.many_len, args.decode_prompt_len, args.decode_tokens = 96, 16, 8, 2
+        args.max_prefill_tokens = args.max_prefill_tokens or 64
+        args.chunked_prefill_size = args.chunked_prefill_size or 32
+        args.context_length = args.context_length or 256
+    if args.child:
+        layers, experts = (int(x) for x in args.child.split("x"))
+        print("RESULT " + json.dumps(run_config(layers, experts, args)))
+        return
+    argv = [a for a in sys.argv[1:] if a != "--smoke"] + (["--smoke"] if args.smoke else [])
+    result = {"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "date": time.strftime("%Y-%m-%d"), "configs": {}}
+    failed = []
+    os.makedirs(args.out_dir, exist_ok=True)
+    out = os.path.join(args.out_dir, "memory_fit" + ("_smoke" if args.smoke else "") + ".json")
+    for cfg in args.configs.split(","):
+        try:
+            proc = subprocess.run([sys.executable, __file__, *argv, "--child", cfg], capture_output=True, text=True,
+                                  timeout=args.timeout)
+            stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            stdout, stderr, rc = e.stdout or "", (e.stderr or "") + f"\ntimed out after {args.timeout} s", -1
+            stdout, stderr = (x.decode() if isinstance(x, bytes) else x for x in (stdout, stderr))
+        sys.stderr.write(stderr[-3000:])
+        line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+        if rc or line is None:
+            result["configs"][cfg] = {"error": f"exit {rc}: {(stderr.strip().splitlines() or [''])[-1][-500:]}"}
+            failed.append(cfg)
+        else:
+            r = result["configs"][cfg] = json.loads(line[len("RESULT "):])
+            if "start_error" in r or not all(c["ok"] for c in r["cases"].values()):
+                failed.append(cfg)
+        with open(out, "w") as f:  # after each config: a run cut short keeps what it measured
+            json.dump(result, f, indent=2)
+    for cfg, r in result["configs"].items():
+        print(r["error"] if "error" in r else _summary(r))
+    print(f"wrote {out}; {'FAILED: ' + ','.join(failed) if failed else 'every config fits'}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,7 @@
 #   bench-e2e: engine vs transformers generate (V3.2 and GLM-5 shapes);  bench-v32 / bench-glm: IndexCache
 #   pd: prefill + decode servers on this GPU (cuda_ipc) vs one combined server under a mixed load
 #   memplan: the memory plan's tests + 2/3-layer V3.2 shapes that must start and prefill on this card;
-#   memplan-bench: bench_e2e_vs_hf.py --layers 2 (32K prefill, --experts, --hf-experts-implementation)
+#   memplan-bench: the same through the HTTP server (2 x 256), bench_e2e_vs_hf.py --layers 2 (32K prefill, --experts)
 # Everything runs on builtin tiny models or random weights of the real shapes: no download, no checkpoint.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,8 +67,12 @@ for step in $steps; do
         test/srt/test_memory_plan_runner.py 2>&1 | tail -6 | tee "$OUT/memplan-tests.txt"
       timeout ${FIT_TIMEOUT:-400} python3 benchmark/e2e/memory_fit.py --configs ${MEMPLAN_CONFIGS:-2x16,2x256,3x16,3x256} \
         --out-dir "$OUT" 2>&1 | grep -v "^  " | tail -30 | tee "$OUT/memplan-fit.txt" ;;
-    memplan-bench)  # bench_e2e_vs_hf at 2 layers: a 32K prefill on the server's chunked prefill, transformers' experts
-      timeout ${BENCH_TIMEOUT:-420} python3 benchmark/e2e/bench_e2e_vs_hf.py --layers 2 --out-dir "$OUT" \
+    memplan-bench)  # the HTTP server at 2 layers x 256 experts (the same cases), then bench_e2e_vs_hf at 2 layers:
+      # a 32K prefill on the server's chunked prefill, transformers' experts implementation
+      timeout ${FIT_TIMEOUT:-240} python3 benchmark/e2e/memory_fit.py --configs "" --timeout 110 \
+        --server-configs ${MEMPLAN_SERVER_CONFIGS:-2x256} --out-dir "$OUT/memplan-server" 2>&1 | grep -v "^  " | tail -8 \
+        | tee "$OUT/memplan-server.txt"
+      timeout ${BENCH_TIMEOUT:-340} python3 benchmark/e2e/bench_e2e_vs_hf.py --layers 2 --out-dir "$OUT" \
         ${MEMPLAN_E2E_ARGS:---experts 16 --hf-experts-implementation grouped_mm --sides ours,hf --batch-sizes 1,16 --prefill-lens 4096,32768} \
         2>&1 | grep -v "^  " | tail -12 | tee "$OUT/memplan-e2e.txt" ;;
     parity)  # our model on cuda vs transformers on cpu (fp32)

@@ -10,10 +10,15 @@ transformers' DeepseekV32Config sizes, dummy weights, the server's default flags
    decode batch of --max-running-requests (256) requests; per case the peak allocated memory, the
    free memory after it, and whether the peak stayed within weights + KV + reserve.
 
+--server-configs runs the same cases through the HTTP server (`python -m sglang.launch_server`,
+/generate with input_ids): its start-up log's memory plan, and the device's least free memory while
+each case runs (polled: the peak of the whole device, allocator cache included).
+
 Each config runs in a subprocess of its own (a fresh allocator). JSON under --out-dir (one file for
 all configs); the exit status is non-zero when a config ran out of memory or did not start.
 
     python benchmark/e2e/memory_fit.py --configs 2x16,2x256,3x16,3x256 --out-dir /tmp/out
+    python benchmark/e2e/memory_fit.py --configs "" --server-configs 2x256 --out-dir /tmp/out
     python benchmark/e2e/memory_fit.py --smoke      # tiny shapes on CPU: exercises the script
 """
 
@@ -142,9 +147,96 @@ def run_config(layers: int, experts: int, args) -> dict:
     return res
 
 
+class _FreePoller:
+    """The device's least free memory while a case runs (a thread polling cudaMemGetInfo)."""
+
+    def __init__(self, device: str, period_s: float = 0.02) -> None:
+        import threading
+
+        self.device, self.period, self.least = device, period_s, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            free = torch.cuda.mem_get_info()[0]
+            self.least = free if self.least is None else min(self.least, free)
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> "_FreePoller":
+        if self.device == "cuda":
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def run_server_config(layers: int, experts: int, args) -> dict:
+    """The cases through a launched server: its plan from the start-up log, 200s, least free memory."""
+    import httpx
+
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.testing.server import ServerProcess
+
+    path = make_config_dir("deepseek-v32", layers, args.smoke, n_routed_experts=experts)
+    flags = ["--tokenizer-path", path, "--load-format", "dummy", "--dtype", args.dtype, "--device", args.device,
+             "--random-seed", "0", "--log-level", "info"]
+    for name in ("context_length", "max_prefill_tokens", "chunked_prefill_size"):
+        if getattr(args, name):
+            flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    res: dict = {"layers": layers, "experts": experts, "server": True, "cases": {}}
+    t0 = time.perf_counter()
+    try:
+        srv = ServerProcess(path, *flags, timeout=args.timeout)
+    except RuntimeError as e:  # start-up failure: the log names the flags (MemoryPlanError) or the crash
+        res["start_error"] = str(e)[-3000:]
+        return res
+    with srv:
+        res["start_seconds"] = time.perf_counter() - t0
+        res["plan_text"] = next((ln.split("memory plan: ", 1)[1] for ln in srv.log().splitlines()
+                                 if "memory plan: " in ln), None)
+        info = httpx.get(srv.base_url + "/get_server_info", timeout=60).json()
+        res["max_total_num_tokens"] = info.get("max_total_num_tokens")
+        sa = ServerArgs(model_path=path, max_prefill_tokens=info["max_prefill_tokens"],
+                        max_running_requests=info.get("max_running_requests"))
+        with open(os.path.join(path, "config.json")) as f:
+            vocab = int(json.load(f)["vocab_size"])
+        g = torch.Generator().manual_seed(0)
+        for name, lens, new in cases(sa, args):
+            ids = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lens]
+            body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}}
+            row: dict = {"prompt_lens": sorted(set(lens)), "requests": len(lens), "tokens": sum(lens),
+                         "new_tokens": new}
+            t1 = time.perf_counter()
+            with _FreePoller(args.device) as poll:
+                r = httpx.post(srv.base_url + "/generate", json=body, timeout=args.timeout)
+            row.update(ok=r.status_code == 200 and len(r.json()) == len(ids), status=r.status_code,
+                       seconds=time.perf_counter() - t1)
+            if not row["ok"]:
+                row["body"] = r.text[:500]
+            if poll.least is not None:
+                row["memory"] = {"least_free": poll.least, "total": torch.cuda.mem_get_info()[1]}
+            res["cases"][name] = row
+            print(f"  server {layers}x{experts} {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
+            if not row["ok"]:
+                res["log_tail"] = srv.log()[-3000:]
+                break
+    return res
+
+
 def _summary(r: dict) -> str:
     if "start_error" in r:
         return f"{r['layers']}x{r['experts']}: did not start: {r['start_error']}"
+    if r.get("server"):
+        lines = [f"server {r['layers']}x{r['experts']}: {r.get('plan_text')}"]
+        for name, c in r.get("cases", {}).items():
+            m = c.get("memory") or {}
+            lines.append(f"    {name:28s} {'ok ' if c['ok'] else 'FAIL'} HTTP {c['status']}, least free "
+                         f"{m.get('least_free', 0) / GiB:6.2f} GiB of {m.get('total', 0) / GiB:.2f}, {c['seconds']:.1f} s")
+        return "\n".join(lines)
     p = r.get("plan")
     if p is None:
         return f"{r['layers']}x{r['experts']}: no device plan (CPU); cases " + ", ".join(
@@ -164,6 +256,7 @@ def _summary(r: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="2x16,2x256,3x16,3x256", help="LAYERSxEXPERTS, comma-separated")
+    p.add_argument("--server-configs", default="", help="LAYERSxEXPERTS run through the HTTP server")
     p.add_argument("--long-prompt", type=int, default=32768)
     p.add_argument("--many-len", type=int, default=1024, help="prompt length of the many-prompt prefill")
     p.add_argument("--decode-prompt-len", type=int, default=256)
@@ -186,8 +279,9 @@ def main() -> None:
         args.chunked_prefill_size = args.chunked_prefill_size or 32
         args.context_length = args.context_length or 256
     if args.child:
-        layers, experts = (int(x) for x in args.child.split("x"))
-        print("RESULT " + json.dumps(run_config(layers, experts, args)))
+        server = args.child.startswith("server:")
+        layers, experts = (int(x) for x in args.child.removeprefix("server:").split("x"))
+        print("RESULT " + json.dumps((run_server_config if server else run_config)(layers, experts, args)))
         return
     argv = [a for a in sys.argv[1:] if a != "--smoke"] + (["--smoke"] if args.smoke else [])
     result = {"device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -195,10 +289,11 @@ def main() -> None:
     failed = []
     os.makedirs(args.out_dir, exist_ok=True)
     out = os.path.join(args.out_dir, "memory_fit" + ("_smoke" if args.smoke else "") + ".json")
-    for cfg in args.configs.split(","):
+    todo = [c for c in args.configs.split(",") if c] + [f"server:{c}" for c in args.server_configs.split(",") if c]
+    for cfg in todo:
         try:
             proc = subprocess.run([sys.executable, __file__, *argv, "--child", cfg], capture_output=True, text=True,
-                                  timeout=args.timeout)
+                                  timeout=2 * args.timeout if cfg.startswith("server:") else args.timeout)
             stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as e:
             stdout, stderr, rc = e.stdout or "", (e.stderr or "") + f"\ntimed out after {args.timeout} s", -1

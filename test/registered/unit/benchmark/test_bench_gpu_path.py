@@ -61,13 +61,15 @@ def test_e2e_bench_bad_experts_fail_before_running():
 def test_memory_fit_smoke(tmp_path):
     """benchmark/e2e/memory_fit.py (the memory plan's GPU check) on CPU: one config in its own
     process, the load-alone step and every admitted-request case, JSON written."""
-    out = _run([str(_ROOT / "benchmark/e2e/memory_fit.py"), "--smoke", "--out-dir", str(tmp_path)]).stdout
+    out = _run([str(_ROOT / "benchmark/e2e/memory_fit.py"), "--smoke", "--server-configs", "2x4",
+                "--out-dir", str(tmp_path)]).stdout
     result = json.loads((tmp_path / "memory_fit_smoke.json").read_text())
-    cfg = result["configs"]["2x4"]
+    cfg, srv = result["configs"]["2x4"], result["configs"]["server:2x4"]
     assert cfg["load_alone"]["param_bytes"] > 0 and cfg["plan"] is None  # CPU: no device plan
-    assert set(cfg["cases"]) == {"max_prefill_one_prompt", "max_prefill_4_prompts", "long_prompt",
-                                 "decode_256_requests"}
-    assert all(c["ok"] for c in cfg["cases"].values()) and cfg["cases"]["long_prompt"]["tokens"] == 96
+    names = {"max_prefill_one_prompt", "max_prefill_4_prompts", "long_prompt", "decode_256_requests"}
+    assert set(cfg["cases"]) == set(srv["cases"]) == names
+    assert all(c["ok"] for r in (cfg, srv) for c in r["cases"].values())
+    assert cfg["cases"]["long_prompt"]["tokens"] == 96 and srv["cases"]["decode_256_requests"]["status"] == 200
     assert "every config fits" in out
 
 def test_every_serving_kernel_compiles_for_sm90():

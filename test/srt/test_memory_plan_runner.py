@@ -176,3 +176,36 @@ def test_cuda_plan_leaves_the_reserve_free_and_the_largest_step_runs(ckpt):
     prompts = [torch.randint(0, mc.vocab_size, (CTX,), generator=g).tolist() for _ in range(2)]
     logits = prefill_all_logits(r, prompts)
     assert all(torch.isfinite(x).all() for x in logits)
+
+
+def _rank_capacity(rank: int, port: int, ckpt: str, queue) -> None:
+    """One of 2 gloo ranks whose own budgets differ (as free memory differs per GPU)."""
+    try:
+        from sglang.srt.distributed.parallel_state import init_distributed
+
+        torch.set_num_threads(1)
+        group = init_distributed(2, rank, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=300)
+        ModelRunner.profile_max_num_tokens = lambda self, *a, **k: 4096 + 1024 * rank
+        sa = ServerArgs(model_path=ckpt, dtype="float32", device="cpu", tp_size=2, context_length=CTX).resolve()
+        r = ModelRunner(ModelConfig(ckpt, "float32", context_length=CTX), sa, group)
+        queue.put((rank, r.max_total_num_tokens, r.token_to_kv_pool.size, r.token_to_kv_pool_allocator.size))
+    except BaseException as e:  # the parent reports it instead of waiting
+        queue.put((rank, repr(e), None, None))
+
+
+def test_tp_ranks_agree_on_the_least_capacity(ckpt):
+    """Every TP rank runs the same scheduling decisions on its own allocator: a rank with more free
+    memory must not hold more KV tokens than the others (their admissions would diverge)."""
+    import torch.multiprocessing as mp
+
+    from sglang.srt.testing.multi_rank import free_port
+
+    ctx = mp.get_context("fork")  # the worker is this module's function: no re-import in the child
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank_capacity, args=(rank, port, ckpt, queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r[0], r[1:]) for r in (queue.get(timeout=600) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    assert got[0] == got[1] == (4096, 4096, 4096), got

@@ -146,6 +146,19 @@ class ModelRunner:
         budget = min(psutil.virtual_memory().available * CPU_KV_MEMORY_FRACTION, CPU_KV_BUDGET_BYTES)
         return int(budget // per_token)
 
+    def _agree_on_capacity(self, tokens: int) -> int:
+        """The least KV capacity of all ranks: each rank schedules the same batches on its own
+        allocator, so they must all hold the same tokens (free memory differs a little per rank)."""
+        if self.world_group.is_single:
+            return tokens
+        least = int(self.world_group.all_reduce_host(torch.tensor([tokens], dtype=torch.int64), "min").item())
+        if self.memory_plan is not None and least != tokens:
+            cp = self.cp_group.world_size if self.cp_group is not None else 1  # the plan counts one rank's tokens
+            self.memory_plan = dataclasses.replace(self.memory_plan, kv_tokens=least // cp)
+            logger.info("KV capacity %d tokens: the least of the %d ranks (this one could hold %d)", least,
+                        self.world_group.world_size, tokens)
+        return least
+
     # -- the GPU memory plan (memory_plan.py) ------------------------------------------------------
     def _model_shape(self) -> ModelShape:
         sa = self.server_args
@@ -239,7 +252,7 @@ class ModelRunner:
                                                  extra_reserve_bytes) * cp
         else:
             tokens = sa.max_total_tokens or self.profile_max_num_tokens(extra_kv_bytes_per_token) * cp
-        tokens = tokens // (self.page_size * cp) * self.page_size * cp
+        tokens = self._agree_on_capacity(tokens // (self.page_size * cp) * self.page_size * cp)
         if tokens < self.page_size * cp:
             raise RuntimeError(f"KV cache too small: {tokens} tokens")
         self.max_total_num_tokens = tokens

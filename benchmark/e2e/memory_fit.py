@@ -139,7 +139,10 @@ def run_config(layers: int, experts: int, args) -> dict:
         row["seconds"] = time.perf_counter() - t0
         row["memory"] = _mem(args.device)
         if plan is not None and row["memory"]:
-            row["within_plan"] = row["memory"]["peak_allocated"] <= plan.weights + plan.kv_bytes + plan.reserve
+            # the plan's bound on what the allocator holds; headroom < margin: an estimate was short
+            row["headroom"] = plan.weights + plan.kv_bytes + plan.reserve - row["memory"]["peak_allocated"]
+            row["within_plan"] = row["headroom"] >= 0
+            row["within_plan_without_margin"] = row["headroom"] >= plan.margin
         res["cases"][name] = row
         print(f"  {layers}x{experts} {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
         if not row["ok"]:
@@ -188,6 +191,8 @@ def run_server_config(layers: int, experts: int, args) -> dict:
         if getattr(args, name):
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     res: dict = {"layers": layers, "experts": experts, "server": True, "cases": {}}
+    if args.device == "cuda":  # this process's CUDA context (the poller's) exists before the server plans
+        torch.cuda.mem_get_info()
     t0 = time.perf_counter()
     try:
         srv = ServerProcess(path, *flags, timeout=args.timeout)
@@ -248,7 +253,8 @@ def _summary(r: dict) -> str:
     for name, c in r.get("cases", {}).items():
         m = c.get("memory") or {}
         lines.append(f"    {name:28s} {'ok ' if c['ok'] else 'OOM'} peak {m.get('peak_allocated', 0) / GiB:6.2f} GiB, "
-                     f"free after {m.get('free', 0) / GiB:6.2f} GiB, within plan {c.get('within_plan')}, "
+                     f"free after {m.get('free', 0) / GiB:6.2f} GiB, headroom {c.get('headroom', 0) / GiB:5.2f} GiB "
+                     f"(within plan {c.get('within_plan')}, without its margin {c.get('within_plan_without_margin')}), "
                      f"{c['seconds']:.1f} s")
     return "\n".join(lines)
 

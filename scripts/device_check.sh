@@ -12,6 +12,8 @@
 #   bench-kernels / bench-attn: MLA / indexer / top-k / fused MoE kernels vs the GPU's copy and matmul ceilings
 #   bench-e2e: engine vs transformers generate (V3.2 and GLM-5 shapes);  bench-v32 / bench-glm: IndexCache
 #   pd: prefill + decode servers on this GPU (cuda_ipc) vs one combined server under a mixed load
+#   spec-tests: speculative (EAGLE/NextN), overlap-scheduler, HiCache and PD suites on the GPU (graphs on)
+#   bench-overlap: scheduler step wall time vs GPU busy time, overlap vs sync vs deterministic
 #   memplan: the memory plan's tests + 2/3-layer V3.2 shapes that must start and prefill on this card;
 #   memplan-bench: the same through the HTTP server (2 x 256), bench_e2e_vs_hf.py --layers 2 (32K prefill, --experts)
 # Everything runs on builtin tiny models or random weights of the real shapes: no download, no checkpoint.
@@ -48,6 +50,14 @@ for step in $steps; do
       SGLANG_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider \
         ${GPU_TESTS:-test/registered/unit/kernels test/srt/test_triton_backends.py test/srt/test_model_parity.py} \
         -k "${GPU_TESTS_K:-not server_through}" 2>&1 | tail -15 | tee "$OUT/gpu-tests.txt" ;;
+    spec-tests)  # the suites whose GPU half differs from CPU: graph capture, streams, pinned copies
+      SGLANG_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout 200 \
+        ${SPEC_TESTS:-test/srt/test_speculative.py test/srt/test_overlap_schedule.py test/srt/test_hicache.py test/srt/test_hicache_backup.py test/srt/test_disaggregation.py} \
+        -k "${SPEC_TESTS_K:-not cp2}" > "$OUT/spec-tests.log" 2>&1
+      grep -E "passed|failed|FAILED|ERROR|Error" "$OUT/spec-tests.log" | tail -40 ;;
+    bench-overlap)
+      timeout ${BENCH_TIMEOUT:-300} python3 benchmark/overlap/bench_overlap_step.py --out-dir "$OUT" ${OVERLAP_ARGS:-} \
+        2>&1 | grep -v "it/s" | tail -60 | tee "$OUT/bench-overlap.txt" ;;
     bench-attn)
       python3 benchmark/kernels/bench_attention_kernels.py --out-dir "$OUT" 2>&1 | tail -14 | tee "$OUT/bench-attn.txt" ;;
     bench-kernels)

@@ -21,10 +21,16 @@ from sglang.srt.testing.spec_drafts import forced_drafts
 
 DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
 MODEL = "builtin:tiny-deepseek-v32-mtp"
+# On a GPU a verify row runs in another batch shape than plain decoding's row (b * n rows vs b), and
+# cuBLAS picks its kernels by shape: exact equality holds under batch-invariant kernels, which is
+# what these tests check there. The default mode's bound is test_default_mode_verify_within_tolerance.
+EXACT = {"enable_deterministic_inference": True} if DEVICE == "cuda" else {}
+EXACT_FLAGS = ["--enable-deterministic-inference"] if DEVICE == "cuda" else []
 
 
 def _engine(spec: bool, model: str = MODEL, **kw) -> Engine:
     kw.setdefault("max_total_tokens", 4096)
+    kw = {**EXACT, **kw}
     if spec:
         kw = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, **kw)
     return Engine(model_path=model, device=DEVICE, random_seed=0, **kw)
@@ -82,6 +88,43 @@ def test_greedy_equals_plain_with_random_right_and_wrong_drafts(engine_kw):
     assert [_key(o) for o in ours] == [_key(o) for o in _engine(False, **engine_kw).generate(
         input_ids=prompts2, sampling_params=p2, **gen)]
     _whole(spec)
+
+
+def test_default_mode_verify_within_tolerance():
+    """Without --enable-deterministic-inference (the default; on a GPU verify rows and plain rows run
+    other GEMM kernels): every speculative output -- natural, forced right / wrong / mixed drafts --
+    equals plain decoding within the bound of testing/spec_drafts.py: logprobs within SAFETY x the
+    batch-shape noise plain decoding itself shows in this run (alone vs batched), and a first
+    differing token only where plain's top-2 are that close. On CPU the noise is fp32 rounding."""
+    from sglang.srt.testing.spec_drafts import batch_shape_noise, verify_tolerance, within_tolerance_violation
+
+    prompts = _prompts(5)
+    params = [{"temperature": 0, "max_new_tokens": 6 + 3 * i, "ignore_eos": True} for i in range(5)]
+    gen = dict(return_logprob=True, top_logprobs_num=2)
+    off = {"enable_deterministic_inference": False}
+    plain = _engine(False, **off)
+    ref = plain.generate(input_ids=prompts, sampling_params=params, **gen)
+    alone = [plain.generate(input_ids=p, sampling_params=sp, **gen) for p, sp in zip(prompts, params)]
+    noise = batch_shape_noise(alone, ref)
+    tol = verify_tolerance(noise)
+    if DEVICE == "cpu":
+        assert noise < 1e-5  # CPU decoding is batch-invariant up to fp32 rounding of the log-softmax
+    spec = _engine(True, **off)
+    worker = spec.scheduler.tp_worker
+    targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
+    for mode in ("natural", "right", "wrong", "mixed"):
+        worker.draft_override = None if mode == "natural" else forced_drafts(targets, mode)
+        assert spec.flush_cache()
+        outs = spec.generate(input_ids=prompts, sampling_params=params, **gen)
+        assert within_tolerance_violation(ref, outs, tol) is None, (mode, noise, within_tolerance_violation(
+            ref, outs, tol))
+        _whole(spec)
+    # the rule has power: a token that is not a near-tie of plain's is refused
+    bad = [dict(o, output_ids=list(o["output_ids"])) for o in ref]
+    bad[0]["output_ids"][0] = (bad[0]["output_ids"][0] + 1) % 1000
+    top = ref[0]["meta_info"]["output_top_logprobs"][0]
+    if bad[0]["output_ids"][0] != top[1][1] or top[0][0] - top[1][0] > 2 * tol:
+        assert within_tolerance_violation(ref, bad, tol) is not None
 
 
 @pytest.mark.parametrize("engine_kw", [dict(), dict(chunked_prefill_size=8, page_size=4, max_total_tokens=256)],
@@ -324,7 +367,7 @@ def test_server_streams_equal_plain_and_report_accept_length():
     prompts = [f"Request {i}: " + "alpha beta " * (i + 2) for i in range(8)]
     plain = _engine(False)
     ref = [plain.generate(p, {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})["text"] for p in prompts]
-    with ServerProcess(MODEL, "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
+    with ServerProcess(MODEL, *EXACT_FLAGS, "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
                        "--max-total-tokens", "4096", "--enable-metrics", "--random-seed", "0") as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
 
@@ -366,7 +409,7 @@ def test_load_64_streams_with_aborts_and_retraction():
     prompts = [[rng.randrange(5, 1000) for _ in range(rng.randrange(8, 24))] for _ in range(64)]
     sp = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
     ref = [o["output_ids"] for o in _engine(False).generate(input_ids=prompts, sampling_params=sp)]
-    with ServerProcess(MODEL, "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+    with ServerProcess(MODEL, *EXACT_FLAGS, "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
                        "--max-total-tokens", "640", "--random-seed", "0") as server:
         errors, lock = [], threading.Lock()
 

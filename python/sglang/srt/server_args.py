@@ -142,8 +142,10 @@ class ServerArgs:
     hicache_write_policy: str = _f("write_through", "When device KV is backed up to host: write_through (on "
                                    "insert), write_through_selective (on a node's second hit), write_back (on "
                                    "device eviction).", "hicache", HICACHE_WRITE_POLICIES)
-    hicache_io_backend: str = _f("direct", "Host<->device page copies: direct (torch index copies) or kernel "
-                                 "(a Triton page-copy kernel; GPU only).", "hicache", HICACHE_IO_BACKENDS)
+    hicache_io_backend: str = _f("direct", "Host<->device page copies: direct (one cudaMemcpyAsync per run of "
+                                 "consecutive host pages, scattered device pages through a staging buffer) or "
+                                 "kernel (a Triton page-copy kernel reading / writing pinned host memory; GPU "
+                                 "only).", "hicache", HICACHE_IO_BACKENDS)
     hicache_mem_layout: str = _f("layer_first", "Host pool layout: layer_first (one buffer per layer) or "
                                  "page_first (a page's layers contiguous).", "hicache", HICACHE_MEM_LAYOUTS)
 

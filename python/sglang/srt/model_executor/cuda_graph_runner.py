@@ -146,13 +146,18 @@ class GraphBackend:
 
 class EagerGraphBackend(GraphBackend):
     """The CPU stand-in: replay re-runs the function and writes into the captured outputs, which is
-    what a graph replay does to its static output tensors."""
+    what a graph replay does to its static output tensors. Its capture fails where a CUDA capture
+    would (testing/sync_guard.capture_guard: host syncs, pinned allocations, tensors built from host
+    data), so a capture that CUDA rejects is found on CPU first."""
 
     def __init__(self) -> None:
         self.pool = None
 
     def capture(self, fn):
-        return None, fn()
+        from sglang.srt.testing.sync_guard import capture_guard
+
+        with capture_guard():
+            return None, fn()
 
     def replay(self, graph, fn, out: LogitsProcessorOutput) -> None:
         new = fn()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from sglang.srt.layers.logits_processor import INPUT_LOGPROB_CHUNK_ROWS
 from sglang.srt.model_executor.cuda_graph_runner import get_batch_sizes_to_capture
 
 GiB = 2**30
@@ -158,6 +159,9 @@ def estimate_forward_bytes(s: ModelShape, tokens: int, kv_width: int, logit_rows
     r = logit_rows
     logits = r * s.hidden * d + r * s.vocab * (d + 4 + (SAMPLER_BYTES_PER_LOGIT if sample else 0))
     phases["logits + sampling"] = 2 * t * s.hidden * d + logits
+    if not decode:  # prompt logprobs (return_logprob): layers/logits_processor.py's row chunks
+        c = min(t, INPUT_LOGPROB_CHUNK_ROWS)
+        phases["input logprobs"] = 2 * t * s.hidden * d + c * (s.hidden * d + s.vocab * (d + 4 + 4)) + t * 12
     return ActivationEstimate(tokens, kv_width, logit_rows, phases)
 
 

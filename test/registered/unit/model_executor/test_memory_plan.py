@@ -97,7 +97,9 @@ def test_v32_reserve_is_the_size_the_config_implies(tmp_path):
     assert est.phases["attention: MLA"] > 2 * 8192 * 128 * 512 * 2
     # no index scores when every row is within index_topk; linear in tokens otherwise
     short = estimate_forward_bytes(shape, 2048, 2048, 1, score_budget=2**31)
-    assert short.peak_phase == "attention: MLA"
+    assert short.phases["attention: indexer"] < short.phases["attention: MLA"]
+    # prompt logprobs of a whole step: one 1024-row chunk of [rows, 129280] logits, not 8192 rows
+    assert 1.2 * GiB < est.phases["input logprobs"] < 2 * GiB
     big = estimate_forward_bytes(shape, 32768, 32768, 256, score_budget=2**31).phases["attention: MLA"]
     assert 3.9 < big / est.phases["attention: MLA"] < 4.1
 

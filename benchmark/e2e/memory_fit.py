@@ -6,8 +6,8 @@ transformers' DeepseekV32Config sizes, dummy weights, the server's default flags
 2. the engine starts (the Scheduler and ModelRunner the server runs): its memory plan (weights,
    reserve, KV tokens, what is left free), or the start-up error naming the flags;
 3. the largest requests it admits run one after the other: one prompt of --max-prefill-tokens
-   tokens, prompts summing to --max-prefill-tokens at once, a 32K prompt (--long-prompt), and a
-   decode batch of --max-running-requests (256) requests; per case the peak allocated memory, the
+   tokens, prompts summing to --max-prefill-tokens at once, a 32K prompt (--long-prompt), one of
+   --max-prefill-tokens asking for the logprobs of every prompt token (top 5), and a decode batch of --max-running-requests (256) requests; per case the peak allocated memory, the
    free memory after it, and whether the peak stayed within weights + KV + reserve.
 
 --server-configs runs the same cases through the HTTP server (`python -m sglang.launch_server`,
@@ -81,15 +81,16 @@ def load_alone(path: str, args) -> dict:
     return out
 
 
-def cases(sa, args) -> list[tuple[str, list[int], int]]:
-    """(name, prompt lengths submitted at once, new tokens)."""
+def cases(sa, args) -> list[tuple[str, list[int], int, bool]]:
+    """(name, prompt lengths submitted at once, new tokens, prompt logprobs of every token)."""
     n = args.max_prefill_tokens or sa.max_prefill_tokens
     many = max(1, n // args.many_len)
     running = sa.max_running_requests or 256
-    return [("max_prefill_one_prompt", [n], 1),
-            (f"max_prefill_{many}_prompts", [n // many] * many, 1),
-            ("long_prompt", [args.long_prompt], 2),
-            (f"decode_{running}_requests", [args.decode_prompt_len] * running, args.decode_tokens)]
+    return [("max_prefill_one_prompt", [n], 1, False),
+            (f"max_prefill_{many}_prompts", [n // many] * many, 1, False),
+            ("long_prompt", [args.long_prompt], 2, False),
+            ("prompt_logprobs", [n], 1, True),
+            (f"decode_{running}_requests", [args.decode_prompt_len] * running, args.decode_tokens, False)]
 
 
 def run_config(layers: int, experts: int, args) -> dict:
@@ -123,7 +124,7 @@ def run_config(layers: int, experts: int, args) -> dict:
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
     res["cases"] = {}
-    for name, lens, new in cases(sa, args):
+    for name, lens, new, logprobs in cases(sa, args):
         prompts = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lens]
         sp = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
         _sync(args.device)
@@ -131,7 +132,8 @@ def run_config(layers: int, experts: int, args) -> dict:
         row: dict = {"prompt_lens": sorted(set(lens)), "requests": len(lens), "tokens": sum(lens), "new_tokens": new}
         t0 = time.perf_counter()
         try:
-            outs = engine.generate(input_ids=prompts, sampling_params=[sp] * len(prompts))
+            lp = dict(return_logprob=True, logprob_start_len=0, top_logprobs_num=5) if logprobs else {}
+            outs = engine.generate(input_ids=prompts, sampling_params=[sp] * len(prompts), **lp)
             _sync(args.device)
             row["ok"] = len(outs) == len(prompts)
         except torch.OutOfMemoryError as e:
@@ -210,9 +212,11 @@ def run_server_config(layers: int, experts: int, args) -> dict:
         with open(os.path.join(path, "config.json")) as f:
             vocab = int(json.load(f)["vocab_size"])
         g = torch.Generator().manual_seed(0)
-        for name, lens, new in cases(sa, args):
+        for name, lens, new, logprobs in cases(sa, args):
             ids = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lens]
             body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}}
+            if logprobs:
+                body.update(return_logprob=True, logprob_start_len=0, top_logprobs_num=5)
             row: dict = {"prompt_lens": sorted(set(lens)), "requests": len(lens), "tokens": sum(lens),
                          "new_tokens": new}
             t1 = time.perf_counter()

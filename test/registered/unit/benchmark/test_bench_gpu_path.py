@@ -66,7 +66,8 @@ def test_memory_fit_smoke(tmp_path):
     result = json.loads((tmp_path / "memory_fit_smoke.json").read_text())
     cfg, srv = result["configs"]["2x4"], result["configs"]["server:2x4"]
     assert cfg["load_alone"]["param_bytes"] > 0 and cfg["plan"] is None  # CPU: no device plan
-    names = {"max_prefill_one_prompt", "max_prefill_4_prompts", "long_prompt", "decode_256_requests"}
+    names = {"max_prefill_one_prompt", "max_prefill_4_prompts", "long_prompt", "prompt_logprobs",
+             "decode_256_requests"}
     assert set(cfg["cases"]) == set(srv["cases"]) == names
     assert all(c["ok"] for r in (cfg, srv) for c in r["cases"].values())
     assert cfg["cases"]["long_prompt"]["tokens"] == 96 and srv["cases"]["decode_256_requests"]["status"] == 200

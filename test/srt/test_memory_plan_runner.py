@@ -209,3 +209,45 @@ def test_tp_ranks_agree_on_the_least_capacity(ckpt):
     for p in procs:
         p.join(timeout=60)
     assert got[0] == got[1] == (4096, 4096, 4096), got
+
+
+def _rank_plan(rank: int, port: int, ckpt: str, queue) -> None:
+    """One of 2 gloo ranks planning a faked GPU: rank 1's card is nearly full (another process on it)."""
+    try:
+        from sglang.srt.distributed.parallel_state import init_distributed
+
+        torch.set_num_threads(1)
+        group = init_distributed(2, rank, f"tcp://127.0.0.1:{port}", "gloo", timeout_s=300)
+        sa = ServerArgs(model_path=ckpt, dtype="float32", device="cpu", tp_size=2, context_length=CTX,
+                        max_total_tokens=512).resolve()
+        r = ModelRunner(ModelConfig(ckpt, "float32", context_length=CTX), sa, group)
+        sa.max_total_tokens = None
+        free = 20 * GiB if rank == 0 else GiB // 2
+        torch.cuda.mem_get_info = lambda *a: (free, 24 * GiB)
+        torch.cuda.empty_cache = lambda: None
+        memory_profile.profile_step_peak = lambda runner, tokens, ctx: 0
+        try:
+            queue.put((rank, "plan", r.plan_device_memory(r._bytes_per_token()).kv_tokens))
+        except MemoryPlanError as e:
+            queue.put((rank, "error", str(e)))
+    except BaseException as e:
+        queue.put((rank, "crash", repr(e)))
+
+
+def test_a_rank_that_cannot_fit_fails_every_rank(ckpt):
+    """Rank 1 cannot hold the reserve: rank 0 must fail too instead of going on to the profile
+    forward's collectives (where it would wait for rank 1 until --dist-timeout)."""
+    import torch.multiprocessing as mp
+
+    from sglang.srt.testing.multi_rank import free_port
+
+    ctx = mp.get_context("fork")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank_plan, args=(rank, port, ckpt, queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    got = {r[0]: r[1:] for r in (queue.get(timeout=600) for _ in procs)}
+    for p in procs:
+        p.join(timeout=60)
+    assert got[1][0] == "error" and "--chunked-prefill-size" in got[1][1], got
+    assert got[0][0] == "error" and "another rank" in got[0][1], got

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+from typing import Callable
 
 import psutil
 import torch
@@ -146,6 +147,23 @@ class ModelRunner:
         budget = min(psutil.virtual_memory().available * CPU_KV_MEMORY_FRACTION, CPU_KV_BUDGET_BYTES)
         return int(budget // per_token)
 
+    def _plan_on_every_rank(self, make: Callable[[], MemoryPlan]) -> MemoryPlan:
+        """`make()`, failing on every rank when it fails on one: the profile forward that follows
+        runs collectives, where the other ranks would wait for the failed one until --dist-timeout."""
+        try:
+            made, error = make(), None
+        except MemoryPlanError as e:
+            made, error = None, e
+        if not self.world_group.is_single:
+            ok = self.world_group.all_reduce_host(torch.tensor([0 if error else 1], dtype=torch.int64), "min")
+            if error is None and not int(ok.item()):
+                error = MemoryPlanError("the memory plan of another rank does not fit (its log names the flags to "
+                                        "change): lower --chunked-prefill-size / --max-prefill-tokens or "
+                                        "--cuda-graph-max-bs, or free that GPU")
+        if error is not None:
+            raise error
+        return made
+
     def _agree_on_capacity(self, tokens: int) -> int:
         """The least KV capacity of all ranks: each rank schedules the same batches on its own
         allocator, so they must all hold the same tokens (free memory differs a little per rank)."""
@@ -213,7 +231,7 @@ class ModelRunner:
                                page_size=self.page_size, mem_fraction_static=sa.mem_fraction_static,
                                max_total_tokens=sa.max_total_tokens // cp if sa.max_total_tokens else None)
 
-        first = plan(est.peak)  # fails before a profile that could not fit either
+        first = self._plan_on_every_rank(lambda: plan(est.peak))  # fails before a profile that could not fit
         logger.info("activations of a %d-token step (KV width %d), from the config: %.2f GiB (peak in %s)",
                     step, ctx, est.peak / 2**30, est.peak_phase)
         if self.cp_group is not None:
@@ -230,7 +248,7 @@ class ModelRunner:
         logger.info("activations of a %d-token step, measured by a profile forward: %.2f GiB", step,
                     measured / 2**30)
         self.profiled_activation_bytes = measured
-        return plan(max(est.peak, measured)) if measured > est.peak else first
+        return self._plan_on_every_rank(lambda: plan(max(est.peak, measured)))  # on every rank: a collective
 
     def init_memory_pool(self, req_to_token_pool: ReqToTokenPool | None = None, token_to_kv_pool_allocator=None,
                          max_total_num_tokens: int | None = None, extra_kv_bytes_per_token: int = 0,

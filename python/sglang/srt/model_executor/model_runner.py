@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import logging
 from typing import Callable
 
@@ -192,8 +193,6 @@ class ModelRunner:
 
         sa = self.server_args
         module, cls = ATTENTION_BACKENDS[sa.nsa_decode_backend].split(":")
-        import importlib
-
         if (sa.disable_cuda_graph or self.cp_group is not None
                 or not getattr(importlib.import_module(module), cls).supports_cuda_graph
                 or not get_moe_runner(sa.moe_runner_backend).supports_cuda_graph):

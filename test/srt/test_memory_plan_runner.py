@@ -135,48 +135,6 @@ def test_cpu_pool_sizing_is_unchanged(ckpt):
     assert r.max_total_num_tokens <= CPU_KV_BUDGET_BYTES // per and r.max_total_num_tokens > 0
 
 
-# -- on a GPU (SGLANG_TEST_DEVICE=cuda): the real device numbers ------------------------------------
-_CUDA = os.environ.get("SGLANG_TEST_DEVICE", "cpu") == "cuda"
-_NEEDS_GPU = pytest.mark.skipif(not _CUDA, reason="GPU half of the plan: run with SGLANG_TEST_DEVICE=cuda on a GPU "
-                                "(the CPU tests above fake the device's numbers)")
-
-
-@_NEEDS_GPU
-def test_cuda_dummy_bf16_draw_allocates_nothing():
-    """The loading regression on the device: a 256 MB bf16 tensor is filled in place (the old
-    init's float32 draw + cast took 3x its size)."""
-    from sglang.srt.model_loader.loader import fill_normal_
-
-    t = torch.empty(8192, 16384, dtype=torch.bfloat16, device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fill_normal_(t, 0.02, torch.Generator(device="cuda").manual_seed(0))
-    torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - before < 2**20
-    assert 0.018 < t[:64].float().std().item() < 0.022
-
-
-@_NEEDS_GPU
-def test_cuda_plan_leaves_the_reserve_free_and_the_largest_step_runs(ckpt):
-    """The tiny model on the GPU with the whole card to plan: the profile forward measured the
-    step, the weights are what loading allocated, after start-up (KV pool and CUDA graphs built)
-    the device still holds the activations' reserve, and a prefill of the largest step runs."""
-    sa = ServerArgs(model_path=ckpt, dtype="bfloat16", device="cuda", context_length=CTX,
-                    chunked_prefill_size=128).resolve()
-    mc = ModelConfig(ckpt, "bfloat16", context_length=CTX)
-    r = ModelRunner(mc, sa)
-    plan = r.memory_plan
-    assert plan is not None and plan.step_tokens == 128 and r.profiled_activation_bytes > 0
-    assert plan.weights >= model_weight_bytes(mc)  # + the absorbed-MLA copies post_load_weights makes
-    torch.cuda.synchronize()
-    free, _ = torch.cuda.mem_get_info()
-    assert free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= plan.activations
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, mc.vocab_size, (CTX,), generator=g).tolist() for _ in range(2)]
-    logits = prefill_all_logits(r, prompts)
-    assert all(torch.isfinite(x).all() for x in logits)
-
 
 def _rank_capacity(rank: int, port: int, ckpt: str, queue) -> None:
     """One of 2 gloo ranks whose own budgets differ (as free memory differs per GPU)."""
@@ -251,3 +209,47 @@ def test_a_rank_that_cannot_fit_fails_every_rank(ckpt):
         p.join(timeout=60)
     assert got[1][0] == "error" and "--chunked-prefill-size" in got[1][1], got
     assert got[0][0] == "error" and "another rank" in got[0][1], got
+
+
+# -- on a GPU (SGLANG_TEST_DEVICE=cuda): the real device numbers (last: the fork tests above run
+# before this process initialises CUDA) ------------------------------------
+_CUDA = os.environ.get("SGLANG_TEST_DEVICE", "cpu") == "cuda"
+_NEEDS_GPU = pytest.mark.skipif(not _CUDA, reason="GPU half of the plan: run with SGLANG_TEST_DEVICE=cuda on a GPU "
+                                "(the CPU tests above fake the device's numbers)")
+
+
+@_NEEDS_GPU
+def test_cuda_dummy_bf16_draw_allocates_nothing():
+    """The loading regression on the device: a 256 MB bf16 tensor is filled in place (the old
+    init's float32 draw + cast took 3x its size)."""
+    from sglang.srt.model_loader.loader import fill_normal_
+
+    t = torch.empty(8192, 16384, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fill_normal_(t, 0.02, torch.Generator(device="cuda").manual_seed(0))
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 2**20
+    assert 0.018 < t[:64].float().std().item() < 0.022
+
+
+@_NEEDS_GPU
+def test_cuda_plan_leaves_the_reserve_free_and_the_largest_step_runs(ckpt):
+    """The tiny model on the GPU with the whole card to plan: the profile forward measured the
+    step, the weights are what loading allocated, after start-up (KV pool and CUDA graphs built)
+    the device still holds the activations' reserve, and a prefill of the largest step runs."""
+    sa = ServerArgs(model_path=ckpt, dtype="bfloat16", device="cuda", context_length=CTX,
+                    chunked_prefill_size=128).resolve()
+    mc = ModelConfig(ckpt, "bfloat16", context_length=CTX)
+    r = ModelRunner(mc, sa)
+    plan = r.memory_plan
+    assert plan is not None and plan.step_tokens == 128 and r.profiled_activation_bytes > 0
+    assert plan.weights >= model_weight_bytes(mc)  # + the absorbed-MLA copies post_load_weights makes
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    assert free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= plan.activations
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, mc.vocab_size, (CTX,), generator=g).tolist() for _ in range(2)]
+    logits = prefill_all_logits(r, prompts)
+    assert all(torch.isfinite(x).all() for x in logits)

@@ -23,6 +23,8 @@ import os
 import statistics
 import sys
 import time
+import traceback
+import warnings
 
 import torch
 
@@ -89,6 +91,51 @@ def _our_frame(stack: list[str]) -> str:
     return stack[0] if stack else "?"
 
 
+def _where() -> str:
+    frames = [f for f in traceback.extract_stack()[:-2] if f"{os.sep}sglang{os.sep}" in f.filename
+              and "bench_overlap_step" not in f.filename]
+    return " < ".join(f"{f.filename.split('sglang' + os.sep)[-1]}:{f.lineno}" for f in frames[::-1][:3]) or "?"
+
+
+def trace_host_waits(sched, steps: int) -> dict:
+    """Per step, where our code makes the host wait for the GPU (CUDA sync debug mode's warnings)
+    and where it uploads from pageable memory (a staged, synchronous copy), by call site."""
+    counts: collections.Counter = collections.Counter()
+    orig_to, orig_tensor, orig_show = torch.Tensor.to, torch.tensor, warnings.showwarning
+
+    def to(self, *a, **k):
+        out = orig_to(self, *a, **k)
+        if self.device.type == "cpu" and out.device.type == "cuda" and not self.is_pinned():
+            counts[f"pageable upload @ {_where()}"] += 1
+        return out
+
+    def tensor(*a, **k):
+        out = orig_tensor(*a, **k)
+        if out.device.type == "cuda":
+            counts[f"torch.tensor upload @ {_where()}"] += 1
+        return out
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            counts[f"sync @ {_where()}"] += 1
+        else:
+            orig_show(message, category, filename, lineno, file, line)
+
+    torch.cuda.synchronize()
+    try:
+        torch.Tensor.to, torch.tensor, warnings.showwarning = to, tensor, show
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            for _ in range(steps):
+                sched.step()
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.Tensor.to, torch.tensor, warnings.showwarning = orig_to, orig_tensor, orig_show
+    return {k: v / steps for k, v in counts.most_common(20)}
+
+
 def measure(engine, bs: int, args, device: str) -> dict:
     sched = engine.scheduler
     _start(engine, bs, args)
@@ -134,6 +181,7 @@ def measure(engine, bs: int, args, device: str) -> dict:
                    copy_sources={k: v / n for k, v in sources["copy"].most_common(12)},
                    sync_sources={k: v / n for k, v in sources["sync"].most_common(12)})
         row["step_over_busy"] = row["step_ms"] / row["gpu_busy_ms"] if row["gpu_busy_ms"] else None
+        row["host_waits"] = trace_host_waits(sched, args.trace_steps)
     _drain(engine)
     return row
 
@@ -148,6 +196,7 @@ def main() -> None:
     p.add_argument("--gen-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--profile-steps", type=int, default=20)
+    p.add_argument("--trace-steps", type=int, default=5, help="steps traced for host waits (sync debug mode)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--modes", default="overlap,sync", help=f"comma list of {sorted(MODES)}")
@@ -159,6 +208,7 @@ def main() -> None:
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.steps = min(args.steps, args.gen_len - 8)
     args.profile_steps = min(args.profile_steps, args.gen_len - args.steps - 6)
+    args.trace_steps = max(1, min(args.trace_steps, args.gen_len - args.steps - args.profile_steps - 5))
     path = make_config_dir(args.shape, args.layers, args.smoke, n_routed_experts=args.experts)
     result = {"shape": args.shape, "layers": args.layers, "experts": args.experts, "device": args.device,
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "modes": {}}
@@ -183,6 +233,8 @@ def main() -> None:
             for k in ("copy_sources", "sync_sources"):
                 for src, c in (r.get(k) or {}).items():
                     print(f"    {k[:4]} {c:5.1f}/step  {src}")
+            for src, c in (r.get("host_waits") or {}).items():
+                print(f"    wait {c:5.1f}/step  {src}")
     plt = import_pyplot(os.path.join(args.out_dir, name + ".png"))
     if plt is None:
         return

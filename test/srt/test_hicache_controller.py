@@ -87,7 +87,7 @@ def test_no_getter_reads_a_layer_before_its_load():
     for b in pool.kv_buffer + pool.index_k_with_scale_buffer:
         b.zero_()
     gates = [threading.Event() for _ in range(4)]
-    ctl.layer_load_delay_s = lambda lid: gates[lid].wait(30)
+    ctl.layer_load_delay_s = lambda lid: gates[lid].wait(300)  # held until the test opens it
     ctl.load(_slots([0]), _slots([1]))
     getters = {
         "get_key_buffer": lambda: pool.get_key_buffer(1)[P : 2 * P].clone(),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from sglang.srt.mem_cache.cp_page_map import new_page_owner, page_owner, split_request
-from sglang.srt.utils.common import cdiv
+from sglang.srt.utils.common import cdiv, upload
 
 
 class KVAllocatorError(RuntimeError):
@@ -65,7 +65,7 @@ class PagedTokenToKVPoolAllocator:
         if pages is None:
             return None
         slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
-        return slots[:need_size].to(self.device)
+        return upload(slots[:need_size], self.device)
 
     def alloc_extend(
         self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]
@@ -108,7 +108,7 @@ class PagedTokenToKVPoolAllocator:
                 covered = sum(len(x) for x in parts)
                 parts.append(new[: s - pl - covered])
             out.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64))
-        return torch.cat(out).to(self.device) if out else torch.empty(0, dtype=torch.int64, device=self.device)
+        return upload(torch.cat(out), self.device) if out else torch.empty(0, dtype=torch.int64, device=self.device)
 
     def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
         """One slot per request for position seq_len - 1 (seq_lens include the new token): the slot
@@ -125,7 +125,7 @@ class PagedTokenToKVPoolAllocator:
             return None
         it = iter(pages.tolist())
         out = [next(it) * p if f else last + 1 for f, last in zip(fresh, last_locs)]
-        return torch.tensor(out, dtype=torch.int64).to(self.device)
+        return upload(torch.tensor(out, dtype=torch.int64), self.device)
 
 
 def TokenToKVPoolAllocator(size: int, device: str = "cpu") -> PagedTokenToKVPoolAllocator:
@@ -188,7 +188,7 @@ class CPPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         pages = self._take_owned(owners)
         if pages is None:
             return None
-        return (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1).to(self.device)
+        return upload((pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1), self.device)
 
     def free(self, indices: torch.Tensor) -> None:
         if indices is None or indices.numel() == 0:
@@ -226,4 +226,4 @@ class CPPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             return None
         it = iter(pages.tolist())
         out = [next(it) * p if f else last + 1 for f, last in zip(fresh, last_locs)]
-        return torch.tensor(out, dtype=torch.int64).to(self.device)
+        return upload(torch.tensor(out, dtype=torch.int64), self.device)

@@ -63,6 +63,7 @@ from sglang.srt.model_executor.memory_plan import draft_memory_needs
 from sglang.srt.model_executor.model_runner import ModelRunner, kv_bytes_per_token
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.utils.common import upload
 
 
 def draft_model_config(server_args: ServerArgs) -> ModelConfig:
@@ -260,7 +261,7 @@ class EAGLEWorker:
         (one row per token over the request's slot); nothing is read back until `to_host`."""
         reqs, n, b = batch.reqs, self.num_tokens_per_req, len(batch.reqs)
         dev = self.device
-        slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
+        slots = upload(torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64), dev)
         r2t = self.req_to_token_pool
         r2t.flush_writes()  # this step's rows, before the device gathers them
         base = self.kv_len[slots]  # [b] committed KV length c: row j sits at position c + j

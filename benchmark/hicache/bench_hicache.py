@@ -41,6 +41,8 @@ import time
 
 import torch
 
+from sglang.bench_plot import import_pyplot
+
 SP = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
 SMOKE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
              num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
@@ -294,14 +296,9 @@ def goals(res: dict, args) -> dict:
 
 def plot(res: dict, path: str) -> None:
     """The bandwidth bars and the TTFT bars; without matplotlib a message and no file."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib not installed: JSON only (pip install -e './python[bench]')", file=sys.stderr)
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     c = res["copy"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 1]})

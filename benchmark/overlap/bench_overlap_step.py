@@ -28,6 +28,8 @@ import warnings
 
 import torch
 
+from sglang.bench_plot import import_pyplot
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
 from bench_e2e_vs_hf import make_config_dir  # noqa: E402
 
@@ -233,13 +235,8 @@ def main() -> None:
                     print(f"    {k[:4]} {c:5.1f}/step  {src}")
             for src, c in (r.get("host_waits") or {}).items():
                 print(f"    wait {c:5.1f}/step  {src}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: JSON only", file=sys.stderr)
+    plt = import_pyplot(os.path.join(args.out_dir, name + ".png"))
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, rows in result["modes"].items():

@@ -38,6 +38,8 @@ import time
 
 import torch
 
+from sglang.bench_plot import import_pyplot
+
 MODES = ("natural", "wrong", "right")
 
 
@@ -178,10 +180,9 @@ def run(args) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     bss = sorted(result["batches"], key=int)
     fig, ax = plt.subplots(figsize=(6, 4))

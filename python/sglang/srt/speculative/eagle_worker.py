@@ -59,6 +59,7 @@ from sglang.srt.managers.scheduler_output_processor import (
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.model_executor.cuda_graph_runner import GraphSpec, StaticInput
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.memory_plan import draft_memory_needs
 from sglang.srt.model_executor.model_runner import ModelRunner, kv_bytes_per_token
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs, ServerArgsError
@@ -110,9 +111,14 @@ class EAGLEWorker:
         self.draft_config = draft_model_config(sa)
         # The target's decode steps are all verifies (or one-row steps with hidden capture): its
         # graphs are the verify spec's.
+        # The draft is built after the target planned the memory they share: its weights and
+        # graphs are in the target's plan.
+        draft_weights, draft_graphs = (draft_memory_needs(self.draft_config, sa, tp_group) if sa.device == "cuda"
+                                       else (0, 0))
         self.target = TpModelWorker(sa, model_config, tp_group,
                                     extra_kv_bytes_per_token=kv_bytes_per_token(self.draft_config, sa),
-                                    graph_specs=(target_verify_spec(model_config, self.num_tokens_per_req),))
+                                    graph_specs=(target_verify_spec(model_config, self.num_tokens_per_req),),
+                                    extra_weight_bytes=draft_weights, extra_reserve_bytes=draft_graphs)
         t = self.target.model_runner
         # The draft's decode steps replay CUDA graphs of their own spec (hidden states in and out).
         self.draft_runner = ModelRunner(self.draft_config, sa, tp_group,

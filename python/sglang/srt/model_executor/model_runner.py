@@ -75,7 +75,8 @@ class ModelRunner:
             parallel = dict(ep_group=tp_group, moe_dispatch=("local" if self.cp_group is None else
                                                              "deepep" if sa.moe_a2a_backend == "deepep" else
                                                              "all_to_all"))
-        self.model = get_model(model_config, self.device, self.tp_group, sa.load_format, **parallel)
+        self.model = get_model(model_config, self.device, self.tp_group, sa.load_format, sa.quantization,
+                               sa.dequantize_fp8_weights, sa.fp8_activation_dtype, **parallel)
         set_moe_runner_backend(self.model, sa.moe_runner_backend)
         self.sampler = Sampler()
         self.init_memory_pool(req_to_token_pool, token_to_kv_pool_allocator, max_total_num_tokens,

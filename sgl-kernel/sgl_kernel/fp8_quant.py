@@ -84,3 +84,12 @@ def dequant_groups(q: torch.Tensor, s: torch.Tensor, group_size: int) -> torch.T
     """fp32 values of per-token-group quantised activations (the twins' exact operand)."""
     k = q.shape[-1]
     return q.float() * s.repeat_interleave(group_size, dim=-1)[..., :k]
+
+
+def block_dequant(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+                  dtype: torch.dtype) -> torch.Tensor:
+    """weight [..., N, K] float8 x its [..., ceil(N/bn), ceil(K/bk)] block scales, in fp32, cast to dtype."""
+    bn, bk = block_size
+    n, k = weight.shape[-2:]
+    s = scale.float().repeat_interleave(bn, -2).repeat_interleave(bk, -1)[..., :n, :k]
+    return (weight.float() * s).to(dtype)

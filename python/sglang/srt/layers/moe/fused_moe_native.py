@@ -56,7 +56,8 @@ def fused_experts_fp8_native(
     order as `fused_experts_native`. Model-dtype activations: each hit expert's weights dequantised to
     the hidden dtype, then exactly `fused_experts_native`'s arithmetic (the dequantised-weights path).
     FP8 activations: the expert input and the SiLU-and-mul output are quantised per token in groups of
-    bk (sgl_kernel.fp8_quant's formula) and both GEMMs run on fp32 dequantised operands."""
+    bk (sgl_kernel.fp8_quant's formula) and both GEMMs run on fp32 dequantised operands; the SiLU-and-mul
+    output is rounded to the hidden dtype first (the Triton kernel stores it so)."""
     from sgl_kernel.fp8_quant import dequant_groups, per_token_group_quant_fp8_ref
 
     from sglang.srt.model_loader.weight_utils import block_dequant_fp8
@@ -80,7 +81,7 @@ def fused_experts_fp8_native(
         g2 = block_dequant_fp8(w2[e], w2_scale[e], block_size, wdt)
         tok, slot = torch.where(local_ids == e)
         gate_up = batch_invariant.linear(act(hidden_states[tok]), g13)
-        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = batch_invariant.linear(act(h), g2) * topk_weights[tok, slot, None].to(h.dtype)
+        h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(dt)  # stored in the hidden dtype, as the kernel
+        y = batch_invariant.linear(act(h), g2) * topk_weights[tok, slot, None].to(g2.dtype)
         out.index_add_(0, tok, y.to(out.dtype))
     return out

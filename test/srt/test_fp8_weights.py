@@ -7,7 +7,8 @@ model dtype at load, today's loader). fp32 on CPU throughout.
 
 (a) FP8 weights, model-dtype activations (W8A16) == the dequantised path. On CPU the linear twin
     dequantises the weight to x's dtype and multiplies with the same op, so the logits are identical
-    (asserted to 1e-6); the layers really hold float8 weights (asserted) and fewer bytes.
+    (asserted to 1e-6; 1e-4 on CUDA, where the kernel's per-K-block sums reorder fp32 rounding);
+    the layers really hold float8 weights (asserted) and fewer bytes.
 (b) FP8 activations (W8A8: every linear input quantised per token in groups of 128, s = amax / 448).
     The bound, derived as the FP8 KV test's (test_kv_cache_fp8.py): a quantised activation is
     x(1 + d), |d| <= EPS = 2^-4 (e4m3's 3 mantissa bits, round to nearest; the group scale maps the
@@ -53,6 +54,9 @@ EPS = 2.0**-4
 FLIP_FRACTION = 0.15
 ARGMAX_AGREEMENT = 0.4  # measured ~0.6; a broken scale gives ~1/vocab
 PARITY_ATOL = 1e-4
+# W8A16 vs dequantised: CPU runs the same op on the same operands (identical); the GPU kernel sums
+# per K block where cuBLAS sums whole rows (fp32 reordering, ~1e-6 relative on logits of ~3).
+W8A16_ATOL = 1e-6 if DEVICE == "cpu" else 1e-4
 FP8 = torch.float8_e4m3fn
 
 
@@ -96,7 +100,7 @@ def test_fp8_weights_model_dtype_activations_equal_dequantized(builtin_path, nam
     from sglang.srt.layers.quantization.apply import weight_bytes_of
 
     assert weight_bytes_of(model) < 0.5 * weight_bytes_of(ref_model)  # fp32 reference: ~1/4 on the linears
-    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got, ref, atol=W8A16_ATOL, rtol=0)
 
 
 def _score(engine: Engine, seqs):

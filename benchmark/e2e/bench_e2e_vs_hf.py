@@ -64,7 +64,7 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def run_ours(args, path: str, overlap: bool = True, kv_cache_dtype: str = "auto", quantization: str | None = None) -> dict:
+def run_ours(args, path: str, overlap: bool = True, kv_cache_dtype: str = "auto") -> dict:
     from sglang.srt.entrypoints.engine import Engine
 
     max_bs = max(args.batch_sizes)
@@ -73,8 +73,7 @@ def run_ours(args, path: str, overlap: bool = True, kv_cache_dtype: str = "auto"
                     context_length=ctx, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
                     disable_radix_cache=True, chunked_prefill_size=-1, max_prefill_tokens=max(ctx, 16384),
                     random_seed=0, disable_overlap_schedule=not overlap,
-                    **({} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}),
-                    **({} if quantization is None else {"quantization": quantization}))
+                    **({} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}))
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -218,7 +217,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--sides", default="ours,ours_sync,hf,hf_eager",
-                   help="of ours, ours_sync, ours_fp8kv, ours_fp8w (FP8 weights), hf (default attention), hf_eager")
+                   help="of ours, ours_sync, ours_fp8kv, hf (default attention), hf_eager")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not speed)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--side", help=argparse.SUPPRESS)
@@ -236,8 +235,7 @@ def main() -> None:
             res = run_hf(args, args.path, "eager" if args.side == "hf_eager" else None)
         else:
             res = run_ours(args, args.path, args.side != "ours_sync",
-                           "fp8_e4m3" if args.side == "ours_fp8kv" else "auto",
-                           "fp8" if args.side == "ours_fp8w" else None)  # FP8 block weights (W8A8)
+                           "fp8_e4m3" if args.side == "ours_fp8kv" else "auto")
         print("RESULT " + json.dumps(res))
         return
     path = make_config_dir(args.shape, args.layers, args.smoke)
@@ -274,13 +272,6 @@ def main() -> None:
     if "ours_fp8kv" in result and "ours" in result:
         for bs, row in result["ours_fp8kv"]["generate"].items():
             ratios[f"fp8kv_generate_bs{bs}"] = row["tok_s"] / result["ours"]["generate"][bs]["tok_s"]
-    if "ours_fp8w" in result and "ours" in result:  # FP8 weights vs bf16 weights (issue 30 goals: 1.5x / 1.3x)
-        for bs, row in result["ours_fp8w"]["generate"].items():
-            ratios[f"fp8w_generate_bs{bs}"] = row["tok_s"] / result["ours"]["generate"][bs]["tok_s"]
-        for n, row in result["ours_fp8w"]["prefill"].items():
-            base = result["ours"]["prefill"].get(n)
-            if row and base:
-                ratios[f"fp8w_prefill_{n}"] = row["tok_s"] / base["tok_s"]
     if "ours_sync" in result and "ours" in result:
         for bs, row in result["ours"]["generate"].items():
             sync = result["ours_sync"]["generate"][bs]

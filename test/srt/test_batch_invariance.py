@@ -21,7 +21,8 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("name,backend,n,new", [("tiny-deepseek-v32", "auto", 10, 48),
                                                  ("tiny-glm-moe-dsa", "auto", 10, 48),
-                                                 ("tiny-deepseek-v32", "triton", 3, 6)])
+                                                 ("tiny-deepseek-v32", "triton", 3, 6),
+                                                 ("tiny-deepseek-v32-fp8", "auto", 2, 6)])  # FP8 weights, W8A8
 def test_alone_equals_together(name, backend, n, new):
     """Default settings (FP8 index K, radix cache on), plus the Triton backends (interpreter on CPU).
     On GPUs --enable-deterministic-inference is on: cuBLAS picks kernels by the number of rows, so

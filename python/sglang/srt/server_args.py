@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.cp_page_map import CP_MODES  # noqa: E402
 from sglang.srt.mem_cache.index_k_format import INDEX_K_DTYPE_NAMES  # noqa: E402
 from sglang.srt.mem_cache.kv_fp8_format import KV_CACHE_DTYPES  # noqa: E402
 from sglang.srt.layers.moe.moe_registry import MOE_RUNNER_BACKENDS  # noqa: E402
+from sglang.srt.layers.quantization import FP8_ACTIVATION_DTYPES, QUANTIZATION_METHODS  # noqa: E402
 from sglang.srt.constrained import GRAMMAR_BACKENDS  # noqa: E402
 from sglang.srt.disaggregation import DISAGGREGATION_MODES, TRANSFER_BACKENDS  # noqa: E402
 from sglang.srt.mem_cache.storage.registry import PREFETCH_POLICIES, STORAGE_BACKEND_NAMES  # noqa: E402
@@ -64,6 +65,14 @@ class ServerArgs:
     load_format: str = _f("auto", "auto/safetensors: load the checkpoint's weights; dummy: random weights from "
                           "config.json alone (benchmarks of real shapes without the checkpoint).", "model",
                           LOAD_FORMATS)
+    quantization: str | None = _f(None, "Quantise a model-dtype checkpoint's weights at load: fp8 (DeepSeek's 128 x "
+                                  "128 block FP8, as the FP8 checkpoints ship). FP8 checkpoints are served as FP8 "
+                                  "without it.", "model", QUANTIZATION_METHODS)
+    dequantize_fp8_weights: bool = _f(False, "Dequantise an FP8 checkpoint's weights to --dtype at load (the "
+                                      "reference path; twice the weight memory).", "model")
+    fp8_activation_dtype: str | None = _f(None, "FP8 weights: fp8_e4m3 (default: activations quantised per token "
+                                          "in groups of 128, the checkpoints' dynamic scheme) or model_dtype "
+                                          "(activations stay in --dtype).", "model", FP8_ACTIVATION_DTYPES)
 
     # -- runtime ----------------------------------------------------------------------------
     device: str = _f("auto", "Device; auto = cuda when available, else cpu.", "runtime", DEVICE_CHOICES)
@@ -349,6 +358,13 @@ def _check_model(args: ServerArgs) -> None:
         raise ServerArgsError("model_path", "is required (an HF model directory or builtin:NAME)")
     _choice(args, "dtype")
     _choice(args, "load_format")
+    if args.quantization is not None:
+        _choice(args, "quantization")
+    if args.fp8_activation_dtype is not None:
+        _choice(args, "fp8_activation_dtype")
+    if args.dequantize_fp8_weights and args.quantization is not None:
+        raise ServerArgsError("dequantize_fp8_weights", f"conflicts with --quantization {args.quantization} (serve "
+                              "FP8 weights or dequantise them, not both)")
     _positive(args, "context_length")
     if args.json_model_override_args.strip():
         try:

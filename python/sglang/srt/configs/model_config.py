@@ -222,6 +222,12 @@ def model_config_from_server_args(sa) -> "ModelConfig":
             check_dims(mc.kv_lora_rank, mc.qk_rope_head_dim)
         except ValueError as e:
             raise ServerArgsError("kv_cache_dtype", str(e)) from None
+    from sglang.srt.layers.quantization.apply import QuantArgsError, get_quant_config
+
+    try:  # the flags against the checkpoint's quantization_config (no tensor is read)
+        get_quant_config(mc.model_path, sa.quantization, sa.dequantize_fp8_weights, sa.fp8_activation_dtype, "dummy")
+    except QuantArgsError as e:
+        raise ServerArgsError(e.flag, e.reason) from None
     if sa.enable_two_batch_overlap:
         if mc.index_layer_schedule is not None and mc.index_layer_schedule.shares:
             raise ServerArgsError(

@@ -104,7 +104,8 @@ class ModelRunner:
             parallel = dict(ep_group=tp_group, moe_dispatch=("local" if self.cp_group is None else
                                                              "deepep" if sa.moe_a2a_backend == "deepep" else
                                                              "all_to_all"))
-        self.model = get_model(model_config, self.device, self.tp_group, sa.load_format, **parallel)
+        self.model = get_model(model_config, self.device, self.tp_group, sa.load_format, sa.quantization,
+                               sa.dequantize_fp8_weights, sa.fp8_activation_dtype, **parallel)
         set_moe_runner_backend(self.model, sa.moe_runner_backend)
         self.weight_bytes = _device_allocated(self.device) - loaded_before  # as loaded: any dtype
         self.sampler = Sampler()

@@ -27,6 +27,7 @@ DEFAULT_CACHE_DIR = "~/.cache/sglang/builtin"
 # Written last inside the build dir; a directory without it is never served.
 _MARKER = ".sglang_builtin.json"
 _TINY_MODELS_SOURCE = Path(__file__).resolve().parent / "tiny_models.py"
+_FP8_WRITER_SOURCE = Path(__file__).resolve().parent / "fp8_checkpoint.py"
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,17 @@ class BuiltinSpec:
     dtype: str = "float32"
     description: str = ""
     mtp_layer: bool = False
+    fp8_block_size: tuple[int, int] | None = None  # saved in DeepSeek's block-FP8 format
+
+
+# FP8 builtins: the real 128 x 128 block, dims chosen so that every TP 2 shard and fused-part boundary
+# falls on a block edge (as in V3.2 / GLM-5) while kv_a_proj_with_mqa (64 + 16 = 80 rows, like the real
+# 576) and the indexer's wk (64 rows) end in partial blocks; hidden 256 gives two K blocks per row.
+_FP8_DIMS: dict[str, Any] = dict(
+    hidden_size=256, intermediate_size=256, moe_intermediate_size=256, q_lora_rank=128,
+    num_attention_heads=16, num_key_value_heads=16,
+)
+_FP8_BLOCK = (128, 128)
 
 
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
@@ -63,6 +75,18 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     "tiny-glm-moe-dsa-mtp": BuiltinSpec(
         arch="glm_moe_dsa", mtp_layer=True, overrides={"index_topk_freq": 2, "index_skip_topk_offset": 2},
         description="GlmMoeDsaForCausalLM with shared top-k layers and a NextN/MTP draft layer"
+    ),
+    "tiny-deepseek-v32-fp8": BuiltinSpec(
+        arch="deepseek_v32", dtype="bfloat16", overrides=_FP8_DIMS, fp8_block_size=_FP8_BLOCK,
+        description="DeepseekV32ForCausalLM in DeepSeek's block-FP8 format (e4m3 [128, 128] blocks, bf16 rest)"
+    ),
+    "tiny-glm-moe-dsa-fp8": BuiltinSpec(
+        arch="glm_moe_dsa", dtype="bfloat16", overrides=_FP8_DIMS, fp8_block_size=_FP8_BLOCK,
+        description="GlmMoeDsaForCausalLM in the block-FP8 format of zai-org/GLM-5-FP8"
+    ),
+    "tiny-deepseek-v32-fp8-mtp": BuiltinSpec(
+        arch="deepseek_v32", dtype="bfloat16", overrides=_FP8_DIMS, fp8_block_size=_FP8_BLOCK, mtp_layer=True,
+        description="tiny-deepseek-v32-fp8 plus an FP8 NextN/MTP draft layer"
     ),
     "tiny-deepseek-v32-bf16": BuiltinSpec(
         arch="deepseek_v32", dtype="bfloat16", description="tiny-deepseek-v32 weights saved in bfloat16"
@@ -94,6 +118,8 @@ def builtin_key(name: str) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(asdict(spec), sort_keys=True, default=str).encode())
     h.update(_TINY_MODELS_SOURCE.read_bytes())  # any generator change -> new dir
+    if spec.fp8_block_size is not None:
+        h.update(_FP8_WRITER_SOURCE.read_bytes())
     # config.json contents come from transformers' config classes.
     h.update(metadata.version("transformers").encode())
     return f"{name}-{h.hexdigest()[:12]}"
@@ -155,7 +181,7 @@ def materialize_builtin(name: str) -> str:
             with _offline():
                 make_tiny_checkpoint(
                     str(tmp), arch=spec.arch, seed=spec.seed, dtype=spec.dtype, mtp_layer=spec.mtp_layer,
-                    **spec.overrides
+                    fp8_block_size=spec.fp8_block_size, **spec.overrides
                 )
             # mkdtemp / safetensors create 0700 / 0600; the cache may be shared.
             tmp.chmod(0o755)

@@ -12,11 +12,16 @@ from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
-from sglang.srt.model_loader.weight_utils import (
-    dequantize_fp8_weights,
-    iter_safetensors_weights,
-    read_quant_config,
+from sglang.srt.layers.quantization.apply import (
+    apply_quant_config,
+    get_quant_config,
+    init_dummy_quant_weights,
+    process_weights_after_loading,
+    weight_bytes_of,
 )
+from sglang.srt.layers.quantization.base_config import deferred_weights
+from sglang.srt.model_loader import weight_utils
+from sglang.srt.model_loader.weight_utils import iter_safetensors_weights, read_quant_config
 from sglang.srt.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -92,29 +97,58 @@ def model_weight_bytes(model_config: ModelConfig, tp_group: GroupCoordinator = S
 
 
 def get_model(model_config: ModelConfig, device: str = "cpu", tp_group: GroupCoordinator = SINGLE_GROUP,
-              load_format: str = "auto", **parallel: object) -> nn.Module:
-    """`parallel`: expert-parallel options for the model class (ep_group, moe_dispatch)."""
+              load_format: str = "auto", quantization: str | None = None, dequantize_fp8_weights: bool = False,
+              fp8_activation_dtype: str | None = None, **parallel: object) -> nn.Module:
+    """`parallel`: expert-parallel options for the model class (ep_group, moe_dispatch). An FP8 checkpoint is
+    served as FP8 (layers/quantization) unless `dequantize_fp8_weights`; `quantization="fp8"` quantises a
+    model-dtype checkpoint at load."""
     cls = resolve_model_class(model_config.architecture)
     t0 = time.perf_counter()
+    qc = get_quant_config(model_config.model_path, quantization, dequantize_fp8_weights, fp8_activation_dtype,
+                          load_format)
     with default_dtype(model_config.dtype), torch.device(device):
-        model = cls(model_config.hf_config, max_position=model_config.context_len, tp_group=tp_group, **parallel)
+        with deferred_weights() if qc is not None else contextlib.nullcontext():
+            model = cls(model_config.hf_config, max_position=model_config.context_len, tp_group=tp_group, **parallel)
+        if qc is not None:
+            counts = apply_quant_config(model, qc)
     if load_format == "dummy":
         init_dummy_weights(model)
+        if qc is not None:
+            init_dummy_quant_weights(model)
+            process_weights_after_loading(model)
         model.post_load_weights()
         logger.info("initialised %s with random (dummy) weights in %.1fs", model_config.architecture,
                     time.perf_counter() - t0)
+        _log_weights(model, model_config, qc, counts if qc is not None else None, tp_group)
         return model.eval()
     skip = getattr(model, "_ignored_weight", lambda name: False)
     # Drop unused tensors (e.g. the NextN layer) before dequantising them.
     weights = ((n, t) for n, t in iter_safetensors_weights(model_config.model_path) if not skip(n))
     quant = read_quant_config(model_config.model_path)
-    if quant is not None:
+    if quant is not None and qc is None:  # --dequantize-fp8-weights: today's bf16 path, the reference
         block = tuple(quant.get("weight_block_size", (128, 128)))
         # fp32 out: each parameter's loader casts (fp32-kept params like weights_proj lose nothing).
-        weights = dequantize_fp8_weights(weights, torch.float32, block)
+        weights = weight_utils.dequantize_fp8_weights(weights, torch.float32, block)
     model.load_weights((name, t.to(device)) for name, t in weights)
+    if qc is not None:
+        process_weights_after_loading(model)
+        model.post_load_weights()  # again: derived tensors (absorbed kv_b) from the final weights
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("loaded %s (%.2fM params, %s) in %.1fs", model_config.architecture, n_params / 1e6,
                 model_config.dtype, time.perf_counter() - t0)
+    _log_weights(model, model_config, qc, counts if qc is not None else None, tp_group)
     return model
+
+
+def _log_weights(model: nn.Module, model_config: ModelConfig, qc, counts: dict | None,
+                 tp_group: GroupCoordinator) -> None:
+    """Start-up log: the weight bytes this rank holds (the memory plan's first term)."""
+    held = weight_bytes_of(model)
+    if qc is None:
+        logger.info("weights: %.3f GiB on this GPU/rank (%s, rank %d of %d)", held / 2**30, model_config.dtype,
+                    tp_group.rank, tp_group.world_size)
+        return
+    logger.info("weights: %.3f GiB on this GPU/rank (%s; layers: %s; rank %d of %d)", held / 2**30, qc.describe(),
+                ", ".join(f"{v} {k.removesuffix('Method')}" for k, v in sorted(counts.items())), tp_group.rank,
+                tp_group.world_size)

@@ -383,12 +383,16 @@ def make_tiny_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     mtp_layer: bool = False,
+    fp8_block_size: tuple[int, int] | None = None,
     **overrides: Any,
 ) -> str:
     """Write a tiny random ``arch`` checkpoint plus tokenizer into ``out_dir``; return it.
 
     ``mtp_layer``: also store a NextN / MTP draft layer (``model.layers.{num_hidden_layers}.*``,
     ``num_nextn_predict_layers = 1``), as DeepSeek-V3.2 and GLM-5 checkpoints do.
+
+    ``fp8_block_size``: save the linears in DeepSeek's block-FP8 format with that block
+    (model_loader/fp8_checkpoint.py; the rest stays in ``dtype``).
 
     ``overrides`` update the default tiny config (e.g. ``num_hidden_layers=6``,
     ``index_topk_freq=4``, ``rope_parameters={...}``). The result depends only on the
@@ -436,6 +440,10 @@ def make_tiny_checkpoint(
     model.save_pretrained(out_dir, safe_serialization=True)
     if mtp_layer:
         _add_mtp_layer(out_dir, cfg.num_hidden_layers, seed)
+    if fp8_block_size is not None:
+        from sglang.srt.model_loader.fp8_checkpoint import quantize_checkpoint_fp8
+
+        quantize_checkpoint_fp8(out_dir, tuple(fp8_block_size))
     build_tokenizer(out_dir)
     return out_dir
 

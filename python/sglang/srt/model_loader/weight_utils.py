@@ -121,6 +121,26 @@ def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor
                 yield name, f.get_tensor(name)
 
 
+def checkpoint_tensor_names(model_dir: str) -> set[str]:
+    """Names of every tensor in the checkpoint, from the shard index or the files' headers (no tensor
+    data is read); empty when the directory has no safetensors files (config.json only: dummy weights)."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            return set(json.load(f).get("weight_map") or {})
+    try:
+        files = find_weight_files(model_dir)
+    except ValueError:
+        return set()
+    names: set[str] = set()
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
 # --------------------------------------------------------------------------------------------
 # Quantisation config
 # --------------------------------------------------------------------------------------------

@@ -120,6 +120,13 @@ class _NextNMixin:
     def _ignored_weight(self, name: str) -> bool:
         return name.endswith("rotary_emb.inv_freq")
 
+    def quant_checkpoint_names(self, prefix: str, module: nn.Module) -> list[str]:
+        """As the target's, under the MTP layer's checkpoint prefix model.layers.{N}."""
+        n = f"model.layers.{self.num_layers}."
+        prefix = prefix.replace("model.decoder.", n, 1) if prefix.startswith("model.decoder.") else (
+            n + prefix[len("model."):] if prefix.startswith("model.") else prefix)
+        return DeepseekV2ForCausalLM.quant_checkpoint_names(self, prefix, module)
+
     def post_load_weights(self) -> None:
         self.model.decoder.self_attn.post_load_weights()
 

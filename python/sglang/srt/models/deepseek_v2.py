@@ -184,7 +184,7 @@ class DeepseekV2AttentionMLA(nn.Module):
                                    self.qk_rope_head_dim, config.index_topk, layer_id, idx_rope, dtype=dtype)
 
     def post_load_weights(self) -> None:
-        self.attn.set_kv_b_proj(self.kv_b_proj.weight)
+        self.attn.set_kv_b_proj(self.kv_b_proj.dequantized_weight())  # read as a matrix: model dtype
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch,
                 prev_topk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -314,7 +314,7 @@ class DeepseekV2Model(nn.Module):
         return hidden_states, topk_indices
 
 
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 _FUSED_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # (fused parameter, HF projection, shard id): HF tensors loaded into slices of one fused weight.
@@ -329,12 +329,13 @@ _FUSED_SHARDS = {fused: [sid for f, _, sid in _STACKED if f == fused] for fused,
 
 def _checkpoint_name(key: str) -> str:
     """Bookkeeping key -> the checkpoint tensor name, so load errors name real tensors:
-    "P.experts#3.up_proj" -> "P.experts.3.up_proj.weight", "P.gate_up_proj.weight#1" -> "P.up_proj.weight"."""
+    "P.experts#3.up_proj" -> "P.experts.3.up_proj.weight", "P.gate_up_proj.weight#1" -> "P.up_proj.weight"
+    (an FP8 scale: "P.experts#3.up_proj.weight_scale_inv" -> "P.experts.3.up_proj.weight_scale_inv")."""
     base, sep, rest = key.partition("#")
     if not sep:
         return key
     if base.endswith(".experts"):
-        return f"{base}.{rest}.weight"
+        return f"{base}.{rest}" if rest.count(".") == 2 else f"{base}.{rest}.weight"
     prefix, fused, leaf = base.rsplit(".", 2)
     part = next((p for f, p, sid in _STACKED if f == fused and str(sid) == rest), None)
     return f"{prefix}.{part}.{leaf}" if part else key
@@ -427,8 +428,9 @@ class DeepseekV2ForCausalLM(nn.Module):
                 if eid >= moe.num_experts:
                     unexpected.add(name)
                     continue
-                _load_named(name, tensor, moe.load_expert_weight, tensor, eid, _SHARD[m.group(3)])
-                loaded.add(f"{m.group(1)}#{eid}.{m.group(3)}")
+                _load_named(name, tensor, moe.load_expert_weight, tensor, eid, _SHARD[m.group(3)], m.group(4))
+                leaf = "" if m.group(4) == "weight" else f".{m.group(4)}"
+                loaded.add(f"{m.group(1)}#{eid}.{m.group(3)}{leaf}")
                 continue
             m = _FUSED_EXPERT_RE.match(name)
             if m and f"{m.group(1)}.w13_weight" in params:
@@ -461,11 +463,13 @@ class DeepseekV2ForCausalLM(nn.Module):
     def _expected_weight_keys(self) -> set[str]:
         keys: set[str] = set()
         for name, _ in self.named_parameters():
-            if name.endswith(".w13_weight") or name.endswith(".w2_weight"):
-                prefix = name.rsplit(".", 1)[0]
+            m = re.search(r"\.(w13|w2)_weight(_scale_inv)?$", name)
+            if m:
+                prefix = name[: m.start()]
                 moe: FusedMoE = self.get_submodule(prefix)
-                kinds = ("gate_proj", "up_proj") if name.endswith(".w13_weight") else ("down_proj",)
-                keys.update(f"{prefix}#{e}.{k}" for e in range(moe.num_experts) for k in kinds)
+                kinds = ("gate_proj", "up_proj") if m.group(1) == "w13" else ("down_proj",)
+                leaf = ".weight_scale_inv" if m.group(2) else ""
+                keys.update(f"{prefix}#{e}.{k}{leaf}" for e in range(moe.num_experts) for k in kinds)
             elif name.split(".")[-2] in _FUSED_SHARDS:
                 keys.update(f"{name}#{sid}" for sid in _FUSED_SHARDS[name.split(".")[-2]])
             else:
@@ -475,6 +479,15 @@ class DeepseekV2ForCausalLM(nn.Module):
     def post_load_weights(self) -> None:
         for layer in self.model.layers:
             layer.self_attn.post_load_weights()
+
+    def quant_checkpoint_names(self, prefix: str, module: nn.Module) -> list[str]:
+        """The checkpoint tensors (names without '.weight') a weight-owning module loads -- each fused part,
+        every expert -- so the quantisation config judges the module by what the checkpoint holds."""
+        if isinstance(module, FusedMoE):
+            return [f"{prefix}.{e}.{p}" for e in range(module.num_experts) for p in _SHARD]
+        parent, _, leaf = prefix.rpartition(".")
+        parts = [part for fused, part, _ in _STACKED if fused == leaf]
+        return [f"{parent}.{part}" for part in parts] if parts else [prefix]
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

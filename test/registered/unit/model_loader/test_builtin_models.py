@@ -355,3 +355,32 @@ def test_missing_local_path(tmp_path: Path) -> None:
 def test_existing_local_path_unchanged(checkpoints: dict[str, Path]) -> None:
     path = str(checkpoints["deepseek_v3"])
     assert builtin.resolve_model_path(path) == path
+
+
+def test_fp8_builtin_is_in_deepseeks_block_format(tmp_path: Path) -> None:
+    """tiny-*-fp8: e4m3 weights + fp32 weight_scale_inv [ceil(N/128), ceil(K/128)] with real per-block
+    scales (amax / 448, not all equal), partial blocks where the rows are not a multiple of 128
+    (kv_a_proj_with_mqa: 80, like the real 576), the router / weights_proj / eh_proj / embeddings / head
+    left unquantised, and each FP8 weight's block max at +-448 (the scale convention)."""
+    spec = builtin.BUILTIN_MODELS["tiny-deepseek-v32-fp8-mtp"]
+    out = make_tiny_checkpoint(str(tmp_path / "fp8"), arch=spec.arch, dtype=spec.dtype, mtp_layer=True,
+                               fp8_block_size=spec.fp8_block_size, **spec.overrides)
+    assert _config(Path(out))["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3",
+                                                        "activation_scheme": "dynamic",
+                                                        "weight_block_size": [128, 128]}
+    t = load_file(str(Path(out) / "model.safetensors"))
+    fp8 = [k for k, v in t.items() if v.dtype == torch.float8_e4m3fn]
+    assert fp8 and all(k + "_scale_inv" in t for k in fp8)
+    for k in fp8:
+        w, s = t[k], t[k + "_scale_inv"]
+        assert s.dtype == torch.float32 and s.shape == (-(-w.shape[0] // 128), -(-w.shape[1] // 128)), k
+        assert w[:128, :128].float().abs().max() == 448, k
+    kv_a = t["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+    assert kv_a.shape[0] % 128 and kv_a.shape[0] == 80
+    scales = torch.cat([t[k + "_scale_inv"].flatten() for k in fp8])
+    assert scales.unique().numel() > 0.9 * scales.numel() and bool((scales > 0).all())
+    kept = ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight",
+            "model.layers.0.self_attn.indexer.weights_proj.weight", "model.layers.4.eh_proj.weight")
+    for k in kept:
+        assert t[k].dtype == torch.bfloat16 and k + "_scale_inv" not in t, k
+    assert "model.layers.4.mlp.experts.0.gate_proj.weight_scale_inv" in t  # the MTP layer is FP8 too

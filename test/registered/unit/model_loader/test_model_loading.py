@@ -106,13 +106,13 @@ def _edit_config(ckpt: Path, **fields) -> None:
     path.write_text(json.dumps(cfg, indent=2))
 
 
-def _load_model(ckpt: Path, dtype: str = "float32"):
-    return get_model(ModelConfig(str(ckpt), dtype))
+def _load_model(ckpt: Path, dtype: str = "float32", **kw):
+    return get_model(ModelConfig(str(ckpt), dtype), **kw)
 
 
-def _engine(ckpt: Path, dtype: str = "float32") -> Engine:
+def _engine(ckpt: Path, dtype: str = "float32", **kw) -> Engine:
     return Engine(model_path=str(ckpt), dtype=dtype, device="cpu", max_total_tokens=4096,
-                  nsa_index_k_dtype="float32", random_seed=0)
+                  nsa_index_k_dtype="float32", random_seed=0, **kw)
 
 
 def _prompts() -> list[list[int]]:
@@ -125,8 +125,11 @@ def _prefill_all_logits(engine: Engine, prompts: list[list[int]]) -> torch.Tenso
     return torch.cat(prefill_all_logits(engine.scheduler.tp_worker.model_runner, prompts)).float()
 
 
-def _logits(ckpt: Path, dtype: str = "float32") -> torch.Tensor:
-    return _prefill_all_logits(_engine(ckpt, dtype), _prompts())
+def _logits(ckpt: Path, dtype: str = "float32", **kw) -> torch.Tensor:
+    return _prefill_all_logits(_engine(ckpt, dtype, **kw), _prompts())
+
+
+DEQUANT = {"dequantize_fp8_weights": True}  # these tests check the dequantising loader (the reference path)
 
 
 def _assert_identical(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -348,7 +351,7 @@ def test_fp8_block_checkpoint(base_ckpt, base_logits, tmp_path, arch, block):
     d_ckpt = _copy(base_ckpt(arch), tmp_path / "dequant")
     _write(d_ckpt, deq)
 
-    q_logits, d_logits = _logits(q_ckpt), _logits(d_ckpt)
+    q_logits, d_logits = _logits(q_ckpt, **DEQUANT), _logits(d_ckpt)
     torch.testing.assert_close(q_logits, d_logits, atol=FP8_VS_DEQUANT_ATOL, rtol=0)
     for name, t in src.items():
         if name in quantised_bases:
@@ -369,7 +372,7 @@ def test_fp8_sharded_scales_apart_from_weights(base_ckpt, tmp_path):
     _edit_config(q_ckpt, quantization_config=_quant_config((32, 32)))
     d_ckpt = _copy(base_ckpt("deepseek_v32"), tmp_path / "dequant")
     _write(d_ckpt, deq)
-    torch.testing.assert_close(_logits(q_ckpt), _logits(d_ckpt), atol=FP8_VS_DEQUANT_ATOL, rtol=0)
+    torch.testing.assert_close(_logits(q_ckpt, **DEQUANT), _logits(d_ckpt), atol=FP8_VS_DEQUANT_ATOL, rtol=0)
 
 
 def test_fp8_wrong_block_size_is_reported(base_ckpt, tmp_path):
@@ -377,6 +380,11 @@ def test_fp8_wrong_block_size_is_reported(base_ckpt, tmp_path):
     ckpt = _copy(base_ckpt("deepseek_v3"), tmp_path / "fp8")
     _write(ckpt, fp8)
     _edit_config(ckpt, quantization_config=_quant_config((128, 128)))  # scales were made for 32x32
+    with pytest.raises(ValueError, match="weight_block_size"):
+        _load_model(ckpt, dequantize_fp8_weights=True)
+    with pytest.raises(ValueError, match="not a multiple of the FP8 block 128"):  # served as FP8: q_lora 64
+        _load_model(ckpt)
+    _edit_config(ckpt, quantization_config=_quant_config((64, 64)))  # aligned, but not the scales' grid
     with pytest.raises(ValueError, match="weight_block_size"):
         _load_model(ckpt)
 
@@ -428,7 +436,10 @@ def test_nextn_layer_tensors_ignored_in_fp8_checkpoint(base_ckpt, tmp_path):
     _edit_config(q_ckpt, quantization_config=_quant_config((32, 32)))
     d_ckpt = _copy(base_ckpt("deepseek_v32"), tmp_path / "dequant")
     _write(d_ckpt, deq)
-    torch.testing.assert_close(_logits(q_ckpt), _logits(d_ckpt), atol=FP8_VS_DEQUANT_ATOL, rtol=0)
+    torch.testing.assert_close(_logits(q_ckpt, **DEQUANT), _logits(d_ckpt), atol=FP8_VS_DEQUANT_ATOL, rtol=0)
+    # served as FP8 (model-dtype activations: exactly the dequantised path on CPU), the NextN tensors too
+    torch.testing.assert_close(_logits(q_ckpt, fp8_activation_dtype="model_dtype"), _logits(d_ckpt),
+                               atol=FP8_VS_DEQUANT_ATOL, rtol=0)
 
 
 def test_layers_beyond_the_nextn_layer_are_unexpected(base_ckpt, tmp_path):

@@ -13,9 +13,12 @@ from torch import nn
 
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
 from sglang.srt.layers import batch_invariant
+from sglang.srt.layers.linear import default_weight_loader
 from sglang.srt.layers.moe.moe_registry import get_moe_runner
 from sglang.srt.layers.moe.token_dispatcher import BaseDispatcher, StandardDispatcher
 from sglang.srt.layers.moe.topk import TopKOutput
+from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase, drop_weights
+from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 
 
 def set_moe_runner_backend(model: nn.Module, name: str) -> None:
@@ -29,7 +32,9 @@ class FusedMoE(nn.Module):
     """Routed experts. Weights: w13 [E, 2 * I/tp, H] (gate rows then up rows), w2 [E, H, I/tp].
 
     HF checkpoints name experts `experts.{e}.{gate_proj,up_proj,down_proj}.weight`; fused
-    checkpoints (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) load too.
+    checkpoints (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) load too. The
+    `quant_method` creates and applies the weights (FP8 adds `*_weight_scale_inv` block grids, loaded
+    per expert from `...{proj}.weight_scale_inv`).
     """
 
     def __init__(
@@ -57,34 +62,50 @@ class FusedMoE(nn.Module):
         self.expert_offset = ep_group.rank * self.num_local_experts
         self.dispatcher = dispatcher or StandardDispatcher()
         self.set_runner("torch")
-        self.w13_weight = nn.Parameter(
-            torch.empty(self.num_local_experts, 2 * self.local_inter, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(
-            torch.empty(self.num_local_experts, hidden_size, self.local_inter, dtype=dtype), requires_grad=False)
+        self.params_dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.set_quant_method(UnquantizedFusedMoEMethod())
+
+    def set_quant_method(self, method: FusedMoEMethodBase) -> None:
+        drop_weights(self)
+        self.quant_method = method
+        method.create_weights(self)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded)  # whole stacked tensors; experts load via load_expert_weight
 
     def set_runner(self, name: str) -> None:
         self.runner_backend = name
         self.run_experts = get_moe_runner(name).load()
 
-    def _tp_slice(self, w: torch.Tensor, dim: int) -> torch.Tensor:
-        if self.tp_group.is_single:
-            return w
-        return w.narrow(dim, self.tp_group.rank * self.local_inter, self.local_inter)
-
-    def load_expert_weight(self, loaded: torch.Tensor, expert_id: int, shard: str) -> None:
-        """shard: 'w1' (gate_proj), 'w3' (up_proj) or 'w2' (down_proj), HF [out, in] layout."""
-        n, i = self.hidden_size, self.intermediate_size
-        expect = (n, i) if shard == "w2" else (i, n)
+    def load_expert_weight(self, loaded: torch.Tensor, expert_id: int, shard: str, leaf: str = "weight") -> None:
+        """shard: 'w1' (gate_proj), 'w3' (up_proj) or 'w2' (down_proj), HF [out, in] layout; leaf: 'weight' or
+        'weight_scale_inv' (an FP8 block grid: the same slicing, in blocks)."""
+        param = getattr(self, f"{'w2' if shard == 'w2' else 'w13'}_{leaf}", None)
+        if param is None:
+            raise ValueError(f"expert {expert_id} {shard}: the checkpoint has '{leaf}' but these experts hold "
+                             f"{self.w13_weight.dtype} weights without block scales")
+        block = getattr(param, "block_size", (1, 1))
+        rows, cols = (lambda n: -(-n // block[0])), (lambda n: -(-n // block[1]))
+        n, i, li = self.hidden_size, self.intermediate_size, self.local_inter
+        expect = (rows(n), cols(i)) if shard == "w2" else (rows(i), cols(n))
         if tuple(loaded.shape) != expect:
-            raise ValueError(f"expert {expert_id} {shard}: checkpoint shape {tuple(loaded.shape)}, expected {expect}")
+            raise ValueError(f"expert {expert_id} {shard} {leaf}: checkpoint shape {tuple(loaded.shape)}, expected "
+                             f"{expect}" + (" (wrong weight_block_size in config?)" if leaf != "weight" else ""))
         local = expert_id - self.expert_offset
         if not 0 <= local < self.num_local_experts:
             return  # another expert-parallel rank's expert
+        r = self.tp_group.rank
         if shard == "w2":
-            self.w2_weight.data[local].copy_(self._tp_slice(loaded, 1))
+            part = loaded if self.tp_group.is_single else loaded.narrow(1, r * cols(li), cols(li))
+            dst = param.data[local]
         else:
-            off = 0 if shard == "w1" else self.local_inter
-            self.w13_weight.data[local, off : off + self.local_inter].copy_(self._tp_slice(loaded, 0))
+            part = loaded if self.tp_group.is_single else loaded.narrow(0, r * rows(li), rows(li))
+            off = 0 if shard == "w1" else rows(li)
+            dst = param.data[local, off : off + part.shape[0]]
+        if loaded.dtype.itemsize == 1 and loaded.dtype.is_floating_point and param.dtype != loaded.dtype:
+            raise ValueError(f"expert {expert_id} {shard}: the checkpoint weight is {loaded.dtype} but these experts "
+                             f"hold {param.dtype}: an FP8 weight needs its '_scale_inv' block scales")
+        dst.copy_(part.to(param.dtype))
 
     def load_fused_weight(self, loaded: torch.Tensor, name: str) -> None:
         """`gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I]."""
@@ -101,12 +122,6 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
         d = self.dispatcher.dispatch(hidden_states, topk)
-        kw = {}
-        if self.runner_backend == "triton" and batch_invariant.deterministic_inference():
-            # one block config for every batch size (get_moe_config picks block_m by tokens per expert)
-            from sgl_kernel.moe import batch_invariant_moe_config
-
-            kw["config"] = batch_invariant_moe_config(self.w13_weight.dtype)
-        out = self.run_experts(d.hidden_states, self.w13_weight, self.w2_weight, d.topk.topk_weights,
-                               d.topk.topk_ids, self.expert_offset, **kw)
+        out = self.quant_method.apply(self, d.hidden_states, d.topk.topk_weights, d.topk.topk_ids,
+                                      batch_invariant.deterministic_inference())
         return self.dispatcher.combine(out, d)

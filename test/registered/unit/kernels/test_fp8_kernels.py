@@ -1,0 +1,150 @@
+"""FP8 kernels (sgl_kernel.fp8_quant / fp8_gemm / fp8_moe) against their torch twins, on CPU under
+TRITON_INTERPRET=1 (test/conftest.py) at tiny shapes; SGLANG_TEST_DEVICE=cuda runs them compiled.
+
+Tolerances: the activation quant is byte-exact (same formula, IEEE division, round to nearest even).
+The GEMMs sum the same products in another order (per K block, then scaled, vs one fp32 matmul of
+dequantised operands): fp32 rounding, relative error <= 1e-5 (measured ~2e-7); with bf16 x the W8A16
+output is rounded to bf16 once, <= 2^-8 relative. Cost: ~25 s on an idle 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sgl_kernel import moe as moe_mod
+from sgl_kernel.fp8_gemm import Fp8GemmConfig, fixed_gemm_config, fp8_block_linear, fp8_block_linear_ref, get_gemm_config
+from sgl_kernel.fp8_moe import fixed_fp8_moe_config, fused_experts_fp8
+from sgl_kernel.fp8_quant import per_token_group_quant_fp8, per_token_group_quant_fp8_ref
+
+from sglang.srt.layers.moe.fused_moe_native import fused_experts_fp8_native
+from sglang.srt.model_loader.weight_utils import quantize_fp8_block
+
+DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
+BLOCK = (128, 128)
+FP32_REL = 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _fp8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w = w * (2.0 ** (torch.rand(n, 1, generator=g) * 2 - 1))  # row gains: the block scales differ
+    q, s = quantize_fp8_block(w, BLOCK)
+    return q.to(DEVICE), s.to(DEVICE)
+
+
+def test_per_token_group_quant_is_byte_exact():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 200, generator=g) * torch.logspace(-3, 2, 7)[:, None]  # K 200: a partial group
+    x[3] = 0  # an all-zero row gets the EPS floor, not 0/0
+    for dt in (torch.float32, torch.bfloat16):
+        xd = x.to(dt).to(DEVICE)
+        q, s = per_token_group_quant_fp8(xd, 128)
+        rq, rs = per_token_group_quant_fp8_ref(xd, 128)
+        assert s.shape == (7, 2) and q.dtype == torch.float8_e4m3fn
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs), dt
+        assert q.float().abs().amax(dim=1)[[0, 1, 2, 4, 5, 6]].eq(448).all()  # the group max maps to 448
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 80, 256), (20, 200, 160)])  # partial N and K blocks in both
+def test_block_gemm_matches_twin(m, n, k):
+    q, s = _fp8_weight(n, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    bias = torch.randn(n).to(DEVICE)
+    configs = [None, Fp8GemmConfig(16, 64, split_k=2, group_m=1), fixed_gemm_config(BLOCK)]
+    for fp8_act in (True, False):
+        ref = fp8_block_linear_ref(x, q, s, BLOCK, bias, fp8_act)
+        for cfg in configs:
+            out = fp8_block_linear(x, q, s, BLOCK, bias, fp8_act, config=cfg)
+            assert _rel(out, ref) < FP32_REL, (fp8_act, cfg)
+    xb = x.bfloat16()
+    assert _rel(fp8_block_linear(xb, q, s, BLOCK, None, False), fp8_block_linear_ref(xb, q, s, BLOCK, None, False)) < 2**-8
+    assert fp8_block_linear(x[:0], q, s, BLOCK).shape == (0, n)
+
+
+def test_block_gemm_fixed_config_is_batch_invariant():
+    """--enable-deterministic-inference: a row's output bits do not depend on the other rows."""
+    q, s = _fp8_weight(96, 256, seed=3)
+    x = torch.randn(24, 256, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    cfg = fixed_gemm_config(BLOCK)
+    full = fp8_block_linear(x, q, s, BLOCK, config=cfg)
+    for rows in (1, 5):
+        assert torch.equal(fp8_block_linear(x[:rows], q, s, BLOCK, config=cfg), full[:rows]), rows
+
+
+def test_gemm_configs_decode_and_prefill():
+    dec = get_gemm_config(1, 7168, 2048, BLOCK)
+    assert dec.block_m == 16 and dec.split_k > 1  # memory bound: split K to stream the weight
+    assert get_gemm_config(4096, 7168, 2048, BLOCK).block_m == 128 and get_gemm_config(4096, 7168, 2048, BLOCK).split_k == 1
+    q, s = _fp8_weight(64, 128, seed=4)
+    with pytest.raises(ValueError, match="scale"):
+        fp8_block_linear(torch.zeros(2, 128, device=DEVICE), q, s[:, :0], BLOCK)
+    with pytest.raises(ValueError, match="float8"):
+        fp8_block_linear(torch.zeros(2, 128, device=DEVICE), q.float(), s, BLOCK)
+
+
+def _experts(e: int, h: int, i: int, seed: int):
+    def stack(shape, sd):
+        parts = [_fp8_weight(*shape, seed=sd + j) for j in range(e)]
+        return torch.stack([p for p, _ in parts]), torch.stack([p for _, p in parts])
+
+    return (*stack((2 * i, h), seed), *stack((h, i), seed + 100))
+
+
+@pytest.mark.parametrize("expert_offset", [0, 2])  # 2: an EP rank's experts; other ids contribute nothing
+def test_fused_moe_fp8_matches_twin(monkeypatch, expert_offset):
+    monkeypatch.setattr(moe_mod, "_POISON_INTERMEDIATES", True)  # a row left unwritten shows as NaN
+    w13, s13, w2, s2 = _experts(4, 160, 128, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 160, generator=g).to(DEVICE)
+    ids = torch.randint(0, 6, (9, 2), generator=g).to(DEVICE)
+    tw = torch.rand(9, 2, generator=g).to(DEVICE)
+    for fp8_act in (True, False):
+        ref = fused_experts_fp8_native(x, w13, s13, w2, s2, tw, ids, expert_offset, BLOCK, fp8_act)
+        out = fused_experts_fp8(x, w13, s13, w2, s2, tw, ids, expert_offset, BLOCK, fp8_act)
+        assert not out.isnan().any() and _rel(out, ref) < FP32_REL, fp8_act
+    cfg = fixed_fp8_moe_config(BLOCK)
+    full = fused_experts_fp8(x, w13, s13, w2, s2, tw, ids, expert_offset, BLOCK, config=cfg)
+    assert torch.equal(fused_experts_fp8(x[:3], w13, s13, w2, s2, tw[:3], ids[:3], expert_offset, BLOCK, config=cfg),
+                       full[:3])  # batch invariant under the fixed config
+    with pytest.raises(ValueError, match="w2_scale"):
+        fused_experts_fp8(x, w13, s13, w2, s2[:, :1], tw, ids, expert_offset, BLOCK)
+
+
+def test_fp8_model_with_triton_kernels_equals_twins(builtin_path, monkeypatch):
+    """Feature on vs off: the FP8 tiny model through the Triton GEMM + FP8 fused MoE (interpreter on CPU)
+    gives the logits of the torch twins (fp32: the kernels' K-blocked sums, ~1e-6 relative)."""
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.layers.quantization import fp8_utils
+    from sglang.srt.testing.runner_utils import prefill_all_logits
+
+    import sgl_kernel.fp8_gemm as gemm_mod
+    import sgl_kernel.fp8_moe as fp8_moe_mod
+
+    calls = {"gemm": 0, "moe": 0}
+
+    def spy(mod, name, key):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, **kw: (calls.__setitem__(key, calls[key] + 1), fn(*a, **kw))[1])
+
+    spy(gemm_mod, "fp8_block_linear", "gemm")
+    spy(fp8_moe_mod, "fused_experts_fp8", "moe")
+    path = builtin_path("tiny-deepseek-v32-fp8")
+    prompt = [[5, 17, 300, 41, 8, 99]]
+    out = {}
+    for tag, on in (("twin", False), ("triton", True)):
+        monkeypatch.setattr(fp8_utils, "use_fp8_kernels", lambda device, on=on: on)  # either path on any device
+        e = Engine(model_path=path, dtype="float32", device=DEVICE, max_total_tokens=1024, nsa_index_k_dtype="float32",
+                   random_seed=0, moe_runner_backend="triton" if on else "torch")
+        try:
+            out[tag] = torch.cat(prefill_all_logits(e.scheduler.tp_worker.model_runner, prompt))
+        finally:
+            e.shutdown()
+        assert (calls["gemm"] > 0 and calls["moe"] > 0) == on, calls  # the path under test really ran
+    assert _rel(out["triton"], out["twin"]) < 1e-4

@@ -281,16 +281,18 @@ def now_s() -> int:
 
 
 def usage_of(results: list[dict]) -> UsageInfo:
-    """Usage over a request's choices; with n > 1 the prompt is billed once per distinct prompt."""
-    prompt = 0
+    """Usage over a request's choices, given in choice order. With n > 1 a prompt is billed once
+    and so are its cached tokens: both come from the prompt's first choice (upstream's usage
+    processor does the same), so cached_tokens <= prompt_tokens always holds."""
+    prompt = cached = 0
     seen = set()
     for r in results:
         key = r["meta_info"].get("prompt_index", id(r))
         if key not in seen:
             seen.add(key)
             prompt += r["meta_info"]["prompt_tokens"]
+            cached += r["meta_info"].get("cached_tokens", 0)
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
-    cached = sum(r["meta_info"].get("cached_tokens", 0) for r in results)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details={"cached_tokens": cached})
 

@@ -229,7 +229,7 @@ class ChatHandler(OpenAIServingBase):
                     yield chunk([{"index": idx, "delta": {"hidden_states": last_token_hidden(hidden)},
                                   "logprobs": None, "finish_reason": None}])
             if opts and opts.include_usage:
-                usage = usage_of(list(finals.values()))
+                usage = usage_of([finals[i] for i in sorted(finals)])
                 if self.reasoning_parser:
                     usage.reasoning_tokens = sum(map(self._reasoning_tokens, reasoning_text))
                 yield chunk([], usage=usage.model_dump(exclude_none=True))

@@ -133,7 +133,7 @@ class CompletionHandler(OpenAIServingBase):
                     yield sse(body)
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({"id": cid, "object": "text_completion", "created": created, "model": req.model,
-                           "choices": [], "usage": usage_of(list(finals.values())).model_dump()})
+                           "choices": [], "usage": usage_of([finals[i] for i in sorted(finals)]).model_dump()})
         except RequestError as e:
             yield sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.code}})
         yield SSE_DONE

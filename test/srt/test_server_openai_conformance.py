@@ -1,0 +1,63 @@
+"""OpenAI / upstream-SGLang API conformance through a real server and the official `openai`
+client (issue 33): usage with n > 1, the default completion length, and the error body shape
+every route returns."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from sglang.srt.testing.server import ServerProcess
+
+MODEL = "builtin:tiny-deepseek-v32"
+CONTEXT = 320  # small, so a request without max_tokens runs to the context quickly on CPU
+LONG = "The quick brown fox jumps over the lazy dog. " * 6
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(MODEL, "--max-total-tokens", "8192", "--context-length", str(CONTEXT),
+                       "--random-seed", "0") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _stream_usage(stream):
+    usage = [c.usage for c in stream if c.usage is not None]
+    assert len(usage) == 1
+    return usage[0]
+
+
+# -- usage with n > 1 --------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_usage_bills_each_prompt_and_its_cache_once(client, stream):
+    one = client.completions.create(model="default", prompt=LONG, max_tokens=2, temperature=0)
+    p = one.usage.prompt_tokens
+    kw = dict(model="default", prompt=[LONG, LONG + " Again."], n=3, max_tokens=2, temperature=0,
+              extra_body={"ignore_eos": True})
+    if stream:
+        u = _stream_usage(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    else:
+        u = client.completions.create(**kw).usage
+    p2 = client.completions.create(model="default", prompt=LONG + " Again.", max_tokens=1).usage.prompt_tokens
+    assert u.prompt_tokens == p + p2 and u.completion_tokens == 2 * 3 * 2
+    cached = u.prompt_tokens_details.cached_tokens
+    assert 0 < cached <= u.prompt_tokens  # the first prompt was cached by `one`; was 6 x ~p before
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_usage_bills_the_prompt_and_its_cache_once(client, stream):
+    msgs = [{"role": "user", "content": LONG}]
+    one = client.chat.completions.create(model="default", messages=msgs, max_tokens=2, temperature=0)
+    kw = dict(model="default", messages=msgs, n=4, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    if stream:
+        u = _stream_usage(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                         **kw))
+    else:
+        u = client.chat.completions.create(**kw).usage
+    assert u.prompt_tokens == one.usage.prompt_tokens and u.completion_tokens == 4 * 3
+    assert 0 < u.prompt_tokens_details.cached_tokens <= u.prompt_tokens

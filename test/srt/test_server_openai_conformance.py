@@ -5,13 +5,14 @@ every route returns."""
 from __future__ import annotations
 
 import openai
+import requests
 import pytest
 
 from sglang.srt.testing.server import ServerProcess
 
 MODEL = "builtin:tiny-deepseek-v32"
-CONTEXT = 320  # small, so a request without max_tokens runs to the context quickly on CPU
-LONG = "The quick brown fox jumps over the lazy dog. " * 6
+CONTEXT = 112  # small, so a request without max_tokens runs to the context quickly on CPU
+LONG = "The quick brown fox jumps over the lazy dog. " * 3
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +62,38 @@ def test_chat_usage_bills_the_prompt_and_its_cache_once(client, stream):
         u = client.chat.completions.create(**kw).usage
     assert u.prompt_tokens == one.usage.prompt_tokens and u.completion_tokens == 4 * 3
     assert 0 < u.prompt_tokens_details.cached_tokens <= u.prompt_tokens
+
+
+# -- the default completion length --------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_without_max_tokens_runs_to_the_context(client, stream):
+    kw = dict(model="default", messages=[{"role": "user", "content": "Tell me a story."}], temperature=0,
+              extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        u = _stream_usage(chunks)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        r = client.chat.completions.create(**kw)
+        u, finish = r.usage, [r.choices[0].finish_reason]
+    assert finish == ["length"]
+    # was 128 completion tokens (cut there; a 400 here, where the prompt + 128 exceeds the context)
+    assert u.prompt_tokens + u.completion_tokens == CONTEXT
+
+
+def test_completions_default_to_16_tokens_as_openai(client):
+    kw = dict(model="default", prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True})
+    assert client.completions.create(**kw).usage.completion_tokens == 16
+    assert client.completions.create(max_tokens=None, **kw).usage.completion_tokens == 16  # null: the default
+
+
+def test_native_generate_null_max_new_tokens_is_the_context(server):
+    def completion(sp: dict) -> dict:
+        r = requests.post(server.base_url + "/generate", json={"text": "Once", "sampling_params": {
+            "temperature": 0, "ignore_eos": True, **sp}}, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]
+
+    assert completion({"max_new_tokens": 3})["completion_tokens"] == 3
+    meta = completion({"max_new_tokens": None})  # null: upstream's "bounded by the context"
+    assert meta["prompt_tokens"] + meta["completion_tokens"] == CONTEXT

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator
 
 from sglang.srt.managers.tokenizer_manager import RequestError
 
@@ -162,13 +162,22 @@ class SamplingExtras(_Request):
         return sp
 
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and upstream's /v1/completions default (chat: the context)
+
+
 class CompletionRequest(SamplingExtras):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_is_the_default(cls, v: int | None) -> int:
+        # null is "not set" here (OpenAI documents 16 as the default); chat's null is the context.
+        return COMPLETION_DEFAULT_MAX_TOKENS if v is None else v
 
 
 class FunctionCall(BaseModel):
@@ -217,7 +226,7 @@ class ToolChoice(BaseModel):
 
 class ChatCompletionRequest(SamplingExtras):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # neither set: up to the context length (OpenAI, upstream)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -4,6 +4,8 @@ every route returns."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import requests
 import pytest
@@ -97,3 +99,23 @@ def test_native_generate_null_max_new_tokens_is_the_context(server):
     assert completion({"max_new_tokens": 3})["completion_tokens"] == 3
     meta = completion({"max_new_tokens": None})  # null: upstream's "bounded by the context"
     assert meta["prompt_tokens"] + meta["completion_tokens"] == CONTEXT
+
+
+# -- json_schema strings never hold raw control characters --------------------------------------------
+def test_json_schema_output_parses_when_the_model_wants_control_characters(client, builtin_path):
+    """A logit bias makes every control-character token the model's favourite; a length-bounded string
+    used to take them raw (xgrammar#286), so json.loads failed on the reply."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(builtin_path("tiny-deepseek-v32"))
+    # Not \t \n \r: they are JSON whitespace too, where the grammar may take them without end.
+    control = [t for t in range(len(tok)) if any(ord(c) < 0x20 and c not in "\t\n\r" for c in tok.decode([t]))]
+    assert control
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 12}}, "required": ["s"]}
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "Write tabs."}], max_tokens=60, seed=seed,
+            logit_bias={str(t): 100 for t in control},
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        assert isinstance(json.loads(r.choices[0].message.content)["s"], str)

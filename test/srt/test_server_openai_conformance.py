@@ -119,3 +119,55 @@ def test_json_schema_output_parses_when_the_model_wants_control_characters(clien
             response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
         assert isinstance(json.loads(r.choices[0].message.content)["s"], str)
+
+
+# -- one error body on every route ---------------------------------------------------------------------
+def _assert_error_shape(body: dict, status: int, param: str | None = None) -> None:
+    """Upstream SGLang's ErrorResponse at the top level, OpenAI's {"error": ...} beside it."""
+    names = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}
+    assert body["object"] == "error" and body["type"] == names[status] and body["code"] == status, body
+    assert body["message"] and body["message"] == body["error"]["message"], body
+    assert body["param"] == body["error"]["param"] and (param is None or body["param"] == param), body
+    assert isinstance(body["error"]["type"], str) and body["error"]["type"].endswith("_error"), body
+
+
+def test_score_error_is_upstreams_error_response(server):
+    # upstream's TestOpenAIV1Score::test_score_error_handling, verbatim in what it asserts
+    r = requests.post(server.base_url + "/v1/score", timeout=60, json={
+        "model": "default", "query": "The capital of France is", "items": ["Paris", "London"],
+        "label_token_ids": [999999], "apply_softmax": True})
+    assert r.status_code == 400
+    assert r.json()["type"] == "BadRequestError"
+    assert "Token ID 999999 is out of vocabulary" in r.json()["message"]
+    _assert_error_shape(r.json(), 400, "label_token_ids")
+
+
+@pytest.mark.parametrize("method,path,body,status", [
+    ("post", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    ("post", "/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": 10**6}, 400),
+    ("post", "/v1/completions", {"model": "default", "prompt": "hi", "temperature": "hot"}, 400),
+    ("post", "/v1/chat/completions", "{not json", 400),
+    ("post", "/generate", {"text": "hi", "sampling_params": {"tmperature": 1}}, 400),
+    ("post", "/v1/score", {"query": "q", "items": ["a"], "label_token_ids": []}, 400),
+    ("get", "/v1/no-such-route", None, 404),
+    ("get", "/v1/models/nope", None, 404),
+])
+def test_every_route_returns_the_one_error_body(server, method, path, body, status):
+    kw = {"data": body} if isinstance(body, str) else {"json": body} if body is not None else {}
+    r = getattr(requests, method)(server.base_url + path, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    _assert_error_shape(r.json(), status)
+    assert server.internal_state() is not None  # still serving
+
+
+def test_the_openai_client_parses_every_error(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.code == "model_not_found" and e.value.type == "invalid_request_error" and "nope" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="default", prompt="hi", max_tokens=10**6)
+    assert e.value.param and e.value.code == "context_length_exceeded", e.value.body
+    # Streamed, it is refused before the first event: the same 400 (the in-stream event: test_error_body).
+    with pytest.raises(openai.BadRequestError) as e:
+        list(client.completions.create(model="default", prompt="hi", max_tokens=10**6, stream=True))
+    assert "maximum context length" in e.value.message, e.value.body

@@ -19,7 +19,15 @@ from sglang.srt.entrypoints.openai.protocol import (
     usage_of,
 )
 from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
-from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_bytes, token_text
+from sglang.srt.entrypoints.openai.utils import (
+    SSE_DONE,
+    check_model,
+    merge_streams,
+    request_error_body,
+    sse,
+    token_bytes,
+    token_text,
+)
 from sglang.srt.function_call.utils import get_json_schema_constraint
 from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
 from sglang.srt.constrained.base_grammar_backend import grammar_key
@@ -234,5 +242,5 @@ class ChatHandler(OpenAIServingBase):
                     usage.reasoning_tokens = sum(map(self._reasoning_tokens, reasoning_text))
                 yield chunk([], usage=usage.model_dump(exclude_none=True))
         except RequestError as e:
-            yield sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.code}})
+            yield sse(request_error_body(e))
         yield SSE_DONE

@@ -14,7 +14,7 @@ from sglang.srt.entrypoints.openai.protocol import (
 )
 from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
 from sglang.srt.entrypoints.openai.protocol import MAX_N
-from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_text
+from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, request_error_body, sse, token_text
 from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
 
 MAX_LOGPROBS = 20
@@ -135,7 +135,7 @@ class CompletionHandler(OpenAIServingBase):
                 yield sse({"id": cid, "object": "text_completion", "created": created, "model": req.model,
                            "choices": [], "usage": usage_of([finals[i] for i in sorted(finals)]).model_dump()})
         except RequestError as e:
-            yield sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.code}})
+            yield sse(request_error_body(e))
         yield SSE_DONE
 
 

@@ -296,12 +296,47 @@ def test_bad_speculative_flags(kw, flag):
         ServerArgs.from_kwargs(model_path=MODEL, speculative_num_draft_tokens=4).resolve()
 
 
-def test_hidden_states_request_is_refused_not_wrong():
-    spec = _engine(True, enable_return_hidden_states=True)
-    out = spec.generate(input_ids=_prompts(1)[0], sampling_params={"max_new_tokens": 4}, return_hidden_states=True)
-    reason = out["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and reason["status_code"] == 400 and "return_hidden_states" in reason["message"]
-    _whole(spec)
+def _hidden(o: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt block [prompt_len, H], one row per generated token fed back [completion - 1, H])."""
+    hs = o["meta_info"]["hidden_states"]
+    return torch.tensor(hs[0]), torch.tensor(hs[1:]).reshape(len(hs) - 1, -1)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_hidden_states_equal_plain_decoding(overlap):
+    """return_hidden_states under EAGLE: the prompt's block and one target last-layer row per token
+    fed back, exactly as plain decoding returns (accepted verify rows are the positions plain
+    decoding computes; rows past a request's end are dropped). Random, right (several rows accepted
+    per step, max_new_tokens ending inside a run), wrong and mixed drafts; a grammar request runs
+    alone (its batch verifies one row at a time)."""
+    prompts = _prompts(4)
+    params = [{"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+              {"temperature": 0, "max_new_tokens": 9, "ignore_eos": True},
+              {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True},
+              {"temperature": 0, "max_new_tokens": 7, "regex": "(yes|no)[a-d]{2,6}"}]
+    kw = dict(enable_return_hidden_states=True, disable_overlap_schedule=not overlap)
+    plain, spec = _engine(False, **kw), _engine(True, **kw)
+    worker = spec.scheduler.tp_worker
+    batches = [(prompts[:3], params[:3]), ([prompts[3]], [params[3]])]
+    refs = [plain.generate(input_ids=p, sampling_params=sp, return_hidden_states=True) for p, sp in batches]
+    targets = {tuple(p): r["output_ids"] for (ps, _), rs in zip(batches, refs) for p, r in zip(ps, rs)}
+    for mode in (None, "right", "wrong", "mixed"):
+        worker.draft_override = None if mode is None else forced_drafts(targets, mode)
+        for (ps, sp), ref in zip(batches, refs):
+            assert spec.flush_cache()
+            worker.num_verify_steps = worker.num_accepted_drafts = 0
+            outs = spec.generate(input_ids=ps, sampling_params=sp, return_hidden_states=True)
+            for i, (o, r) in enumerate(zip(outs, ref)):
+                assert o["output_ids"] == r["output_ids"], (mode, i)
+                (p_ours, g_ours), (p_ref, g_ref) = _hidden(o), _hidden(r)
+                h = p_ref.shape[1]
+                assert p_ours.shape == p_ref.shape == (len(ps[i]), h), (mode, i)
+                assert g_ours.shape == g_ref.shape == (len(r["output_ids"]) - 1, h), (mode, i)
+                torch.testing.assert_close(p_ours, p_ref, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(g_ours, g_ref, atol=1e-4, rtol=1e-4, msg=lambda m: f"{mode} {i}: {m}")
+            if mode == "right" and len(ps) > 1:
+                assert worker.avg_accept_length > 2.0  # several rows per verify were returned
+            _whole(spec)
 
 
 def test_checkpoint_without_mtp_layer_names_the_flags():

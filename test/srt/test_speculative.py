@@ -385,6 +385,56 @@ def test_server_streams_equal_plain_and_report_accept_length():
         assert "sglang:spec_accept_length" in requests.get(server.base_url + "/metrics", timeout=30).text
 
 
+def test_server_hidden_states_as_upstreams_eagle_suite_asserts():
+    """Upstream's TestOpenAIServerWithEAGLEAndHiddenStatesEnabled through the official client:
+    completions (one prompt, a list) and chat, streamed and not, carry `hidden_states` as one 1-D
+    row (the last generated token's), none without the flag; here the row also equals plain
+    decoding's (the in-process plain engine on the same prompt)."""
+    import numpy as np
+    import openai
+
+    from sglang.srt.testing.server import ServerProcess
+
+    prompt, sp = "The capital of France is", {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    plain = _engine(False, enable_return_hidden_states=True)
+    expect = plain.generate(prompt, sp, return_hidden_states=True)["meta_info"]["hidden_states"][-1]
+    with ServerProcess(MODEL, "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+                       "--max-total-tokens", "4096", "--enable-return-hidden-states", "--random-seed", "0") as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        kw = dict(model="default", max_tokens=8, temperature=0)
+        for want in (False, True):
+            extra = {"return_hidden_states": want, "ignore_eos": True}
+            for p in (prompt, [prompt, prompt]):
+                r = client.completions.create(prompt=p, extra_body=extra, **kw)
+                assert r.usage.completion_tokens == 8 * (2 if isinstance(p, list) else 1)
+                for c in r.choices:
+                    hs = c.model_extra.get("hidden_states")
+                    if not want:
+                        assert hs is None
+                        continue
+                    assert np.asarray(hs).ndim == 1
+                    np.testing.assert_allclose(hs, expect, atol=1e-4, rtol=1e-4)
+            found = [c.hidden_states for ch in client.completions.create(
+                prompt=[prompt], stream=True, stream_options={"include_usage": True}, extra_body=extra, **kw)
+                for c in ch.choices if getattr(c, "hidden_states", None) is not None]
+            assert len(found) == (1 if want else 0)
+            if want:
+                assert np.asarray(found[0]).ndim == 1
+                np.testing.assert_allclose(found[0], expect, atol=1e-4, rtol=1e-4)
+            msgs = [{"role": "user", "content": "What is the capital of France?"}]
+            r = client.chat.completions.create(messages=msgs, extra_body=extra, **kw)
+            hs = r.choices[0].model_extra.get("hidden_states")
+            assert (hs is None) if not want else np.asarray(hs).ndim == 1
+            found = [c.delta.hidden_states for ch in client.chat.completions.create(
+                messages=msgs, stream=True, stream_options={"include_usage": True}, extra_body=extra, **kw)
+                for c in ch.choices if hasattr(c.delta, "hidden_states")]
+            assert len(found) == (1 if want else 0)
+            if want:
+                assert np.asarray(found[0]).ndim == 1 and found[0] == pytest.approx(hs, abs=1e-5)
+        st = server.wait_idle()
+        assert st["kv_leak"] is None
+
+
 def test_load_64_streams_with_aborts_and_retraction():
     """64 concurrent speculative streams, every fourth dropped by its client mid-stream, over a KV
     pool too small for all of them (retraction): no errors, no leak, every completed output equal

@@ -22,6 +22,7 @@ from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
 from sglang.srt.entrypoints.openai.utils import (
     SSE_DONE,
     check_model,
+    last_token_hidden,
     merge_streams,
     request_error_body,
     sse,
@@ -34,12 +35,6 @@ from sglang.srt.constrained.base_grammar_backend import grammar_key
 from sglang.srt.parser.reasoning_parser import reasoning_enabled, think_end_token
 
 MAX_TOP_LOGPROBS = 20
-
-
-def last_token_hidden(hidden: list) -> list:
-    """Upstream's streamed chat hidden states: the last generated token's row ([] when only the
-    prompt's block is there)."""
-    return hidden[-1] if len(hidden) > 1 else []
 
 
 class ChatHandler(OpenAIServingBase):
@@ -165,7 +160,7 @@ class ChatHandler(OpenAIServingBase):
                       "logprobs": self._logprobs(meta, 0) if req.logprobs else None,
                       "finish_reason": fr, "matched_stop": matched_stop_of(meta)}
             if "hidden_states" in meta:
-                choice["hidden_states"] = meta["hidden_states"]
+                choice["hidden_states"] = last_token_hidden(meta["hidden_states"])
             choices.append(choice)
         usage = usage_of(results)
         if self.reasoning_parser:

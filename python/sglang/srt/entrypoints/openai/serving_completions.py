@@ -14,7 +14,15 @@ from sglang.srt.entrypoints.openai.protocol import (
 )
 from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
 from sglang.srt.entrypoints.openai.protocol import MAX_N
-from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, request_error_body, sse, token_text
+from sglang.srt.entrypoints.openai.utils import (
+    SSE_DONE,
+    check_model,
+    last_token_hidden,
+    merge_streams,
+    request_error_body,
+    sse,
+    token_text,
+)
 from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
 
 MAX_LOGPROBS = 20
@@ -142,4 +150,4 @@ class CompletionHandler(OpenAIServingBase):
 def _attach_matched_stop(choice: dict, meta: dict) -> None:
     choice["matched_stop"] = matched_stop_of(meta)
     if "hidden_states" in meta:
-        choice["hidden_states"] = meta["hidden_states"]
+        choice["hidden_states"] = last_token_hidden(meta["hidden_states"])

@@ -56,6 +56,12 @@ def abort_error(results: list[dict]) -> SafeJSONResponse | None:
     return None
 
 
+def last_token_hidden(hidden: list) -> list:
+    """The hidden states an OpenAI-route choice carries, upstream's: the last generated token's row
+    ([] when only the prompt's block is there); /generate's meta_info keeps every row."""
+    return hidden[-1] if len(hidden) > 1 else []
+
+
 def sse(obj: Any) -> str:
     return f"data: {dumps(obj)}\n\n"
 

@@ -7,11 +7,16 @@
 #   WHEEL_DIR=DIR      instead, install the wheels in DIR without network (default: .whl/ if it has any)
 #   OUT=DIR            where the step outputs go (default ./device_check_out)
 # Steps:
-#   gpu-tests: kernel tests compiled, the Triton model path + CUDA graphs + no-sync guard, parity vs transformers
+#   gpu-tests: kernel tests compiled, the Triton model path + CUDA graphs + no-sync guard, parity vs transformers,
+#              and the overlap, speculative, HiCache and PD suites on CUDA
 #   parity: our model on cuda vs transformers on cpu;  server: the HTTP server on the GPU vs the offline Engine
 #   bench-kernels / bench-attn: MLA / indexer / top-k / fused MoE kernels vs the GPU's copy and matmul ceilings
 #   bench-e2e: engine vs transformers generate (V3.2 and GLM-5 shapes);  bench-v32 / bench-glm: IndexCache
 #   pd: prefill + decode servers on this GPU (cuda_ipc) vs one combined server under a mixed load
+#   spec-tests: speculative (EAGLE/NextN), overlap-scheduler, HiCache and PD suites on the GPU (graphs on)
+#   bench-overlap: scheduler step wall time vs GPU busy time, overlap vs sync vs deterministic
+#   memplan: the memory plan's tests + 2/3-layer V3.2 shapes that must start and prefill on this card;
+#   memplan-bench: the same through the HTTP server (2 x 256), bench_e2e_vs_hf.py --layers 2 (32K prefill, --experts)
 # Everything runs on builtin tiny models or random weights of the real shapes: no download, no checkpoint.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,10 +47,23 @@ steps=${*:-parity bench-v32}
 for step in $steps; do
   echo "=== $step"
   case $step in
-    gpu-tests)  # compiled kernels vs their twins; the model through them (graphs on) vs transformers
-      SGLANG_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider \
-        ${GPU_TESTS:-test/registered/unit/kernels test/srt/test_triton_backends.py test/srt/test_model_parity.py} \
-        -k "${GPU_TESTS_K:-not server_through}" 2>&1 | tail -15 | tee "$OUT/gpu-tests.txt" ;;
+    gpu-tests)  # compiled kernels vs their twins; the model through them (graphs on) vs transformers; the
+      # suites whose GPU half differs from CPU (overlap, speculative, HiCache, PD). ~15 min on an H100:
+      # split with GPU_TESTS=... across calls where a call is time-limited.
+      SGLANG_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-1200} python3 -m pytest -q -p no:cacheprovider --timeout 300 \
+        ${GPU_TESTS:-test/registered/unit/kernels test/srt/test_triton_backends.py test/srt/test_model_parity.py \
+          test/srt/test_overlap_schedule.py test/srt/test_speculative.py test/srt/test_hicache.py \
+          test/srt/test_hicache_backup.py test/srt/test_hicache_io.py test/srt/test_disaggregation.py} \
+        -k "${GPU_TESTS_K:-not server_through and not cp2}" > "$OUT/gpu-tests.log" 2>&1
+      grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu-tests.log" | tail -30 | tee "$OUT/gpu-tests.txt" ;;
+    spec-tests)  # the suites whose GPU half differs from CPU: graph capture, streams, pinned copies
+      SGLANG_TEST_DEVICE=cuda timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider --timeout 200 \
+        ${SPEC_TESTS:-test/srt/test_speculative.py test/srt/test_overlap_schedule.py test/srt/test_hicache.py test/srt/test_hicache_backup.py test/srt/test_disaggregation.py} \
+        -k "${SPEC_TESTS_K:-not cp2}" > "$OUT/spec-tests.log" 2>&1
+      grep -E "passed|failed|FAILED|ERROR|Error" "$OUT/spec-tests.log" | tail -40 ;;
+    bench-overlap)
+      timeout ${BENCH_TIMEOUT:-300} python3 benchmark/overlap/bench_overlap_step.py --out-dir "$OUT" ${OVERLAP_ARGS:-} \
+        2>&1 | grep -v "it/s" | tail -60 | tee "$OUT/bench-overlap.txt" ;;
     bench-attn)
       python3 benchmark/kernels/bench_attention_kernels.py --out-dir "$OUT" 2>&1 | tail -14 | tee "$OUT/bench-attn.txt" ;;
     bench-kernels)
@@ -58,6 +76,21 @@ for step in $steps; do
         timeout ${BENCH_TIMEOUT:-420} python3 benchmark/e2e/bench_e2e_vs_hf.py --shape $shape --out-dir "$OUT" \
           ${!args:-} 2>&1 | grep -v "^  " | tail -12 | tee "$OUT/e2e-$shape.txt"
       done ;;
+    memplan)  # the memory plan on this card: its tests, then 2- and 3-layer V3.2 shapes (16 / 256 experts)
+      # start with dummy weights and run the largest admitted prefills, a 32K prompt and a full decode batch
+      SGLANG_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -rs \
+        test/registered/unit/model_executor/test_memory_plan.py test/registered/unit/model_loader/test_dummy_weights.py \
+        test/srt/test_memory_plan_runner.py 2>&1 | tail -6 | tee "$OUT/memplan-tests.txt"
+      timeout ${FIT_TIMEOUT:-400} python3 benchmark/e2e/memory_fit.py --configs ${MEMPLAN_CONFIGS:-2x16,2x256,3x16,3x256} \
+        --out-dir "$OUT" 2>&1 | grep -v "^  " | tail -30 | tee "$OUT/memplan-fit.txt" ;;
+    memplan-bench)  # the HTTP server at 2 layers x 256 experts (the same cases), then bench_e2e_vs_hf at 2 layers:
+      # a 32K prefill on the server's chunked prefill, transformers' experts implementation
+      timeout ${FIT_TIMEOUT:-240} python3 benchmark/e2e/memory_fit.py --configs "" --timeout 110 \
+        --server-configs ${MEMPLAN_SERVER_CONFIGS:-2x256} --out-dir "$OUT/memplan-server" 2>&1 | grep -v "^  " | tail -8 \
+        | tee "$OUT/memplan-server.txt"
+      timeout ${BENCH_TIMEOUT:-340} python3 benchmark/e2e/bench_e2e_vs_hf.py --layers 2 --out-dir "$OUT" \
+        ${MEMPLAN_E2E_ARGS:---experts 16 --hf-experts-implementation grouped_mm --sides ours,hf --batch-sizes 1,16 --prefill-lens 4096,32768} \
+        2>&1 | grep -v "^  " | tail -12 | tee "$OUT/memplan-e2e.txt" ;;
     parity)  # our model on cuda vs transformers on cpu (fp32)
       SGLANG_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider \
         test/srt/test_model_parity.py test/srt/test_indexcache.py test/srt/test_nextn.py \

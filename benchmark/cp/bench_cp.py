@@ -21,6 +21,7 @@ import statistics
 
 import torch
 
+from sglang.bench_plot import import_pyplot
 from sglang.srt.testing.multi_rank import Case, run_case, run_multi_rank
 
 
@@ -65,26 +66,25 @@ def main() -> None:
     out = os.path.join(args.out_dir, f"cp_prefill_{args.device}.json")
     with open(out, "w") as f:
         json.dump({"args": vars(args), "torch": torch.__version__, "rows": rows}, f, indent=1)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for cp in sorted({r["cp"] for r in rows}):
-            pts = [r for r in rows if r["cp"] == cp]
-            ax.plot([r["len"] for r in pts], [r["prefill_s"] for r in pts], marker="o", label=f"cp={cp}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("prefill step (s)")
-        ax.set_title(f"CP prefill ({args.mode}, {args.device})")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out.replace(".json", ".png"))
-    except ImportError:
-        print("matplotlib not installed: JSON only (pip install -e './python[bench]')")
+    plot(rows, args, out.replace(".json", ".png"))
     print("wrote", out)
+
+
+def plot(rows: list[dict], args, path: str) -> None:
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for cp in sorted({r["cp"] for r in rows}):
+        pts = [r for r in rows if r["cp"] == cp]
+        ax.plot([r["len"] for r in pts], [r["prefill_s"] for r in pts], marker="o", label=f"cp={cp}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill step (s)")
+    ax.set_title(f"CP prefill ({args.mode}, {args.device})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 if __name__ == "__main__":

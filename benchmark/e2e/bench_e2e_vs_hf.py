@@ -3,8 +3,14 @@ with random weights. The headline baseline is transformers with its default atte
 (`hf`, sdpa); `hf_eager` (attn_implementation="eager") is reported beside it.
 
 The config is transformers' own (`DeepseekV32Config()` / `GlmMoeDsaConfig()`, i.e. the real model
-sizes) with N layers, the first dense and the rest MoE (256 experts, 8 active). Each side runs in
-its own process, one after the other, so both fit. Metrics, as transformers' own `generate` counts
+sizes) with --layers N, the first dense and the rest MoE (--experts routed experts, default the
+real 256, 8 active; fewer experts keep the attention shapes real on a card that cannot hold 256).
+Each side runs in its own process, one after the other, so both fit. transformers' MoE experts run
+its --hf-experts-implementation (its own names: eager, grouped_mm, batched_mm, ...; default its
+own choice); the JSON records what it resolved to. Our engine runs with the server's default
+chunked prefill (--chunked-prefill-size 8192), so a 32K or 128K prompt is several steps and the
+memory plan (model_executor/memory_plan.py, recorded in the JSON with the peak memory) reserves
+one step's activations. Metrics, as transformers' own `generate` counts
 them: generate throughput (batch x new tokens / wall time incl. prefill; prompt 256 tokens, greedy),
 the marginal decode step ((time for 64 new tokens - time for 32) / 32), our engine's median decode
 step, and single-prompt prefill throughput. Medians of --repeats. JSON + a plot + a table.
@@ -15,6 +21,7 @@ step is the wall time of one scheduler iteration with no device sync between ite
 would serialise the overlap it measures).
 
     python benchmark/e2e/bench_e2e_vs_hf.py --shape deepseek-v32 --layers 3 --out-dir /tmp/out
+    python benchmark/e2e/bench_e2e_vs_hf.py --layers 2 --experts 16 --hf-experts-implementation grouped_mm
     python benchmark/e2e/bench_e2e_vs_hf.py --smoke          # tiny shapes on CPU: exercises the script
 """
 
@@ -30,6 +37,8 @@ import tempfile
 import time
 
 import torch
+
+from sglang.bench_plot import import_pyplot
 
 CONFIG_CLASSES = {"deepseek-v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
                   "glm-5": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")}
@@ -71,8 +80,8 @@ def run_ours(args, path: str, overlap: bool = True, kv_cache_dtype: str = "auto"
     ctx = max(args.prefill_lens + [args.prompt_len + max(args.gen_lens)]) + 64
     engine = Engine(model_path=path, tokenizer_path=path, load_format="dummy", dtype=args.dtype, device=args.device,
                     context_length=ctx, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
-                    disable_radix_cache=True, chunked_prefill_size=-1, max_prefill_tokens=max(ctx, 16384),
-                    random_seed=0, disable_overlap_schedule=not overlap,
+                    disable_radix_cache=True, random_seed=0, disable_overlap_schedule=not overlap,
+                    **({} if args.chunked_prefill_size is None else {"chunked_prefill_size": args.chunked_prefill_size}),
                     **({} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}))
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -110,18 +119,40 @@ def run_ours(args, path: str, overlap: bool = True, kv_cache_dtype: str = "auto"
         _sync(args.device)
         return time.perf_counter() - t0
 
-    return _measure(args, gen, median_step, prefill)
+    out = _measure(args, gen, median_step, prefill)
+    out["memory"] = _memory(args.device, engine)
+    return out
+
+
+def _memory(device: str, engine=None) -> dict:
+    """The memory plan the engine started with and the peak the run reached (GPU only)."""
+    if device != "cuda":
+        return {}
+    out = {"peak_allocated_bytes": torch.cuda.max_memory_allocated(), "peak_reserved_bytes":
+           torch.cuda.max_memory_reserved(), "total_bytes": torch.cuda.mem_get_info()[1]}
+    worker = getattr(engine.scheduler, "tp_worker", None) if engine is not None else None
+    runner = getattr(getattr(worker, "target", worker), "model_runner", None)
+    plan = getattr(runner, "memory_plan", None)
+    if plan is not None:
+        out["plan"] = plan.as_dict()
+    return out
 
 
 def run_hf(args, path: str, attn_implementation: str | None = None) -> dict:
-    """`attn_implementation` None: transformers' default (sdpa where available)."""
+    """`attn_implementation` None: transformers' default (sdpa where available); the experts
+    implementation is --hf-experts-implementation (None: transformers' default)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(path)
     dtype = getattr(torch, args.dtype)
     with torch.device(args.device):
         kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+        if args.hf_experts_implementation is not None:
+            kw["experts_implementation"] = args.hf_experts_implementation
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **kw).eval()
+    impl = {"attn_implementation": model.config._attn_implementation,
+            "experts_implementation": getattr(model.config, "_experts_implementation", None)}
+    print(f"  transformers: {impl}", file=sys.stderr, flush=True)
     vocab = cfg.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -148,7 +179,9 @@ def run_hf(args, path: str, attn_implementation: str | None = None) -> dict:
             torch.cuda.empty_cache()
             return None
 
-    return _measure(args, gen, None, prefill)
+    out = _measure(args, gen, None, prefill)
+    out.update(implementation=impl, memory=_memory(args.device))
+    return out
 
 
 def _measure(args, gen, median_step, prefill) -> dict:
@@ -174,16 +207,20 @@ def _measure(args, gen, median_step, prefill) -> dict:
     return out
 
 
-def plot(result: dict, path: str) -> None:
-    import matplotlib
+def _ran(result: dict, side: str) -> bool:
+    """The side ran to the end (a failed baseline holds only its error)."""
+    return "generate" in result.get(side, {})
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def plot(result: dict, path: str) -> None:
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     bss = sorted(int(b) for b in result["ours"]["generate"])
     for side, color in (("ours", "#2b7bba"), ("ours_sync", "#8fbce6"), ("hf", "#999999")):
-        if side not in result:
+        if not _ran(result, side):
             continue
         axes[0].plot(bss, [result[side]["generate"][str(b) if str(b) in result[side]["generate"] else b]["tok_s"]
                            for b in bss], "o-", color=color, label=side)
@@ -194,6 +231,8 @@ def plot(result: dict, path: str) -> None:
     axes[0].legend()
     lens = sorted(int(n) for n in result["ours"]["prefill"])
     for side, color in (("ours", "#2b7bba"), ("hf", "#999999")):
+        if not _ran(result, side):
+            continue
         ys = [(result[side]["prefill"].get(str(n)) or result[side]["prefill"].get(n) or {}).get("tok_s") for n in lens]
         axes[1].plot([n for n, y in zip(lens, ys) if y], [y for y in ys if y], "o-", color=color, label=side)
     axes[1].set_xscale("log", base=2)
@@ -205,10 +244,39 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def hf_experts_implementations() -> list[str]:
+    """transformers' names for its MoE experts implementations ("eager" + its ExpertsInterface)."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # transformers 4.x: eager only
+        return ["eager"]
+    return ["eager", *sorted(ALL_EXPERTS_FUNCTIONS.keys())]
+
+
+def moe_overrides(shape: str, experts: int, smoke: bool) -> dict:
+    """n_routed_experts = `experts`, checked against the config's group-limited routing (top-k
+    from topk_group of n_group groups), so a bad --experts fails here and not inside a model."""
+    import transformers
+
+    cfg = getattr(transformers, CONFIG_CLASSES[shape][0])(**(SMOKE if smoke else {}))
+    groups, top_groups, top_k = cfg.n_group or 1, cfg.topk_group or 1, cfg.num_experts_per_tok
+    if experts <= 0 or experts % groups or experts // groups * top_groups < top_k:
+        raise SystemExit(f"--experts {experts}: must be a positive multiple of n_group {groups} with "
+                         f"{experts}/{groups} x topk_group {top_groups} >= num_experts_per_tok {top_k} "
+                         f"(e.g. --experts {max(groups, -(-top_k // top_groups) * groups)})")
+    return {"n_routed_experts": experts}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="deepseek-v32", choices=sorted(CONFIG_CLASSES))
     p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--experts", type=int, default=None,
+                   help="routed experts per MoE layer (n_routed_experts; default the config's, 256 for V3.2)")
+    p.add_argument("--hf-experts-implementation", default=None, choices=hf_experts_implementations(),
+                   help="transformers' MoE experts implementation (default: transformers' choice)")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="our engine's prefill step (default: the server's, 8192; -1: whole prompts)")
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-lens", default="32,64")
@@ -227,6 +295,8 @@ def main() -> None:
         args.device, args.dtype = "cpu", "float32"
         args.batch_sizes, args.gen_lens, args.prefill_lens = "1,2", "2,4", "64"
         args.prompt_len, args.repeats = 16, 1
+        if args.chunked_prefill_size is None:
+            args.chunked_prefill_size = 32  # the 64-token prefill runs as 2 chunks
     args.batch_sizes = [int(x) for x in str(args.batch_sizes).split(",")]
     args.gen_lens = [int(x) for x in str(args.gen_lens).split(",")]
     args.prefill_lens = [int(x) for x in str(args.prefill_lens).split(",")]
@@ -238,8 +308,11 @@ def main() -> None:
                            "fp8_e4m3" if args.side == "ours_fp8kv" else "auto")
         print("RESULT " + json.dumps(res))
         return
-    path = make_config_dir(args.shape, args.layers, args.smoke)
+    overrides = {} if args.experts is None else moe_overrides(args.shape, args.experts, args.smoke)
+    path = make_config_dir(args.shape, args.layers, args.smoke, **overrides)
     result = {"shape": args.shape, "layers": args.layers, "prompt_len": args.prompt_len, "dtype": args.dtype,
+              "config_overrides": overrides, "chunked_prefill_size": args.chunked_prefill_size,
+              "hf_experts_implementation_requested": args.hf_experts_implementation,
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "date": time.strftime("%Y-%m-%d")}
     argv = [a for a in sys.argv[1:] if a != "--smoke"] + (["--smoke"] if args.smoke else [])
@@ -249,10 +322,15 @@ def main() -> None:
         sys.stderr.write(proc.stderr[-4000:])
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode or line is None:
-            raise SystemExit(f"{side} side failed ({proc.returncode})")
+            if not side.startswith("hf"):
+                raise SystemExit(f"{side} side failed ({proc.returncode})")
+            # a baseline that cannot run here (e.g. transformers' experts OOM) is recorded, not fatal
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            result[side] = {"error": f"exit {proc.returncode}: {tail[-500:]}"}
+            continue
         result[side] = json.loads(line[len("RESULT "):])
     ratios = {}
-    if "hf" in result and "ours" in result:
+    if _ran(result, "hf") and _ran(result, "ours"):
         for bs, row in result["ours"]["generate"].items():
             hf = result["hf"]["generate"][bs]
             ratios[f"generate_bs{bs}"] = row["tok_s"] / hf["tok_s"]
@@ -262,7 +340,7 @@ def main() -> None:
             if row and hf:
                 ratios[f"prefill_{n}"] = row["tok_s"] / hf["tok_s"]
     for base in ("hf_eager",):  # the second baseline column
-        if base in result and "ours" in result:
+        if _ran(result, base) and _ran(result, "ours"):
             for bs, row in result["ours"]["generate"].items():
                 ratios[f"generate_bs{bs}_vs_{base}"] = row["tok_s"] / result[base]["generate"][bs]["tok_s"]
             for n, row in result["ours"]["prefill"].items():
@@ -279,10 +357,11 @@ def main() -> None:
             ratios[f"overlap_step_bs{bs}"] = sync["median_step_ms"] / row["median_step_ms"]
     result["ratios"] = ratios
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, f"e2e_{args.shape}_{args.layers}l" + ("_smoke" if args.smoke else ""))
+    experts = f"_{args.experts}e" if args.experts is not None else ""
+    stem = os.path.join(args.out_dir, f"e2e_{args.shape}_{args.layers}l{experts}" + ("_smoke" if args.smoke else ""))
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
-    if "hf" in result:
+    if _ran(result, "hf"):
         plot(result, stem + ".png")
     nan = float("nan")
     print(f"{'metric':28s} {'ours':>12s} {'transformers':>14s} {'ratio':>7s} {'hf eager':>10s} {'ratio':>7s}")

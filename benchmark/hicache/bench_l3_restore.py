@@ -27,6 +27,8 @@ import torch
 
 from sglang.srt.entrypoints.engine import Engine
 
+from sglang.bench_plot import import_pyplot
+
 SP = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
 
 
@@ -117,10 +119,9 @@ def main() -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6, 3.5))

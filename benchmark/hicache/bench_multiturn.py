@@ -29,6 +29,8 @@ import torch
 
 from sglang.srt.entrypoints.engine import Engine
 
+from sglang.bench_plot import import_pyplot
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -133,10 +135,9 @@ def main() -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
     turns = range(len(result["on"]["mean_ttft_per_turn_s"]))

@@ -34,6 +34,8 @@ import time
 import numpy
 import torch
 
+from sglang.bench_plot import import_pyplot
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -180,10 +182,9 @@ def run(args) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     sides = list(result["gb_per_s"])
     fig, ax = plt.subplots(figsize=(7, 3.5))

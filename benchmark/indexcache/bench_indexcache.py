@@ -24,12 +24,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 from tqdm import tqdm
+
+from sglang.bench_plot import import_pyplot
 
 SHAPES = {
     "deepseek-v32": dict(arch="deepseek_v32", hidden_size=7168, num_attention_heads=128, num_key_value_heads=128,
@@ -207,14 +208,9 @@ def bench(path: str, freqs: list[int], args) -> list[dict]:
 
 
 def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:  # the JSON has every number; the plot is optional
-        print(f"matplotlib is not installed, so no {path} (pip install -e './python[bench]')", file=sys.stderr)
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for run in result["runs"]:

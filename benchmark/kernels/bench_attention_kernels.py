@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from sglang.bench_plot import import_pyplot
+
 H, C, R, K_TOP = 128, 512, 64, 2048  # V3.2 MLA heads, latent, rope, index_topk
 IH, ID = 64, 128  # indexer heads, head dim
 
@@ -183,10 +185,9 @@ def bench_indexer(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
 
 
 def plot(rows: list[dict], ceil: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{r['kernel']}\n{r['size']}" for r in rows]

@@ -27,6 +27,8 @@ sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "..", p) for p in 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import median_ms  # noqa: E402
 
+from sglang.bench_plot import import_pyplot
+
 # (name, N, K) of V3.2 dense projections: q_a 7168->1536, q_b 1536->24576, kv_a 7168->576,
 # o_proj 16384->7168, shared-expert gate_up 7168->4096, lm_head slice 7168->16384
 SHAPES = [("q_a", 1536, 7168), ("q_b", 24576, 1536), ("kv_a", 576, 7168), ("o_proj", 7168, 16384),
@@ -74,10 +76,9 @@ def run(device: str, smoke: bool, repeats: int) -> list[dict]:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     fig, ax = plt.subplots(figsize=(9, 4))
     for op in dict.fromkeys(r["op"] for r in rows):

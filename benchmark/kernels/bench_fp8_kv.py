@@ -28,6 +28,8 @@ sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "..", p) for p in 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import median_ms  # noqa: E402
 
+from sglang.bench_plot import import_pyplot
+
 H, C, R, K_TOP = 128, 512, 64, 2048  # V3.2 MLA heads, latent, rope, index_topk
 V32_LAYERS = 61  # layers with MLA KV (and, at IndexCache freq 1, FP8 index K: 132 B/token each)
 ROUNDS = 3
@@ -128,10 +130,9 @@ def bench_store(device: str, smoke: bool, repeats: int, g: torch.Generator) -> l
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"{r['kind']} {r['n']}" for r in rows]

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from sglang.bench_plot import import_pyplot
+
 REPO = Path(__file__).resolve().parents[2]
 V32 = dict(hidden=7168, inter=2048, experts=256, top_k=8)
 SMOKE = dict(hidden=64, inter=48, experts=8, top_k=2)
@@ -170,10 +172,9 @@ def checks(shape: dict, weights: tuple, dtype, device: str, gen, decode_t: int, 
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     rows = [r for r in result["rows"] if r.get("sweep") is None]
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(10, 4))

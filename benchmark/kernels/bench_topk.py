@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from sglang.bench_plot import import_pyplot
+
 DECODE_ROWS, DECODE_WIDTHS, PREFILL = (1, 16, 64), (8192, 32768, 131072), (4096, 32768)
 SMOKE_DECODE_ROWS, SMOKE_DECODE_WIDTHS, SMOKE_PREFILL = (1, 3), (700,), (12, 384)
 
@@ -137,10 +139,9 @@ def bench_case(case: dict, dist: str, args, variants: dict[str, dict]) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     rows = result["rows"]
     names = list(rows[0]["ms"])

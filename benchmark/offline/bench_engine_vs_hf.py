@@ -11,10 +11,11 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
 import torch
+
+from sglang.bench_plot import import_pyplot
 
 
 def run(args) -> dict:
@@ -63,14 +64,9 @@ def run(args) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:  # the JSON has every number; the plot is optional
-        print(f"matplotlib is not installed, so no {path} (pip install -e './python[bench]')", file=sys.stderr)
+    plt = import_pyplot(path)
+    if plt is None:
         return None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     names, vals = ["sglang Engine", "transformers generate"], [result["ours_output_tok_s"], result["hf_output_tok_s"]]

@@ -35,6 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
 
+from sglang.bench_plot import import_pyplot  # noqa: E402
 from sglang.srt.disaggregation.transfer import MooncakeBackend  # noqa: E402
 from sglang.srt.testing.pd import PDSetup  # noqa: E402
 from sglang.srt.testing.server import ServerProcess  # noqa: E402
@@ -176,10 +177,9 @@ def main() -> None:
 
 
 def plot(out: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     med, t = out["median"], out["transfer"]
     fig, ax = plt.subplots(1, 3, figsize=(14, 3.8), gridspec_kw={"width_ratios": [1, 1, 3]})

@@ -32,6 +32,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
 
+from sglang.bench_plot import import_pyplot  # noqa: E402
 from sglang.srt.testing.pd import PDSetup  # noqa: E402
 from streaming import stream  # noqa: E402
 from sglang.srt.testing.server import ServerProcess  # noqa: E402
@@ -148,10 +149,9 @@ def model_and_args(args) -> tuple[str, list[str], int]:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     for ax, side in zip(axes, ("combined", "pd")):

@@ -26,13 +26,14 @@ import json
 import math
 import os
 import random
-import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
+
+from sglang.bench_plot import import_pyplot
 
 # --------------------------------------------------------------------------------------------------
 # Requests
@@ -541,14 +542,9 @@ def format_summary(result: dict) -> str:
 
 def plot(result: dict, path: str) -> str | None:
     """TTFT / E2E histograms, latency CDFs and a per-request timeline into a PNG at ``path``."""
-    try:
-        import matplotlib
-    except ImportError:  # the JSON has every number; the plot is optional
-        print(f"matplotlib is not installed, so no {path} (pip install -e './python[bench]')", file=sys.stderr)
+    plt = import_pyplot(path)
+    if plt is None:
         return None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     c, s = result.get("config", {}), result["summary"]
     reqs = result["requests"]

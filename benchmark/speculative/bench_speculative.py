@@ -13,6 +13,18 @@ Plain and each speculative mode alternate per repeat; medians. JSON + a plot + a
     python benchmark/speculative/bench_speculative.py                      # CPU, builtin MTP model
     python benchmark/speculative/bench_speculative.py --device cuda --model-path DIR_WITH_MTP --load-format dummy
     python benchmark/speculative/bench_speculative.py --smoke             # seconds: checks the script
+    python benchmark/speculative/bench_speculative.py --device cuda --layers 16 --experts 16   # real shapes
+
+`--layers N --experts E` builds transformers' DeepSeek-V3.2 config with N target layers of the real
+attention shapes, E routed experts and one MTP layer (dummy weights): V3.2 itself has 61 target
+layers against one MTP layer, so a 3-layer model overstates the draft's share. A decode step at
+batch 1 reads 8 experts whatever their count, so fewer experts keep the per-layer cost and fit the
+card. The measured draft-step / target-step time ratio (CUDA events around each forward) is printed.
+
+Every speculative output is checked against plain decoding in the same run: equal under
+`--deterministic` (both engines --enable-deterministic-inference), else within the bound of
+sglang.srt.testing.spec_drafts (the run's own batch-shape noise x 4; first divergence only at a
+near-tie of plain's top-2), on a separate run with logprobs (the timed runs return none).
 """
 
 from __future__ import annotations
@@ -25,6 +37,8 @@ import sys
 import time
 
 import torch
+
+from sglang.bench_plot import import_pyplot
 
 MODES = ("natural", "wrong", "right")
 
@@ -42,12 +56,82 @@ def _timed(engine, prompts, sp, device: str) -> tuple[float, list]:
     return time.perf_counter() - t0, out
 
 
+class ForwardTimer:
+    """CUDA events around each decode-mode ModelRunner.forward of one runner (draft decode steps,
+    target verifies), read after a sync; wall clock on CPU."""
+
+    def __init__(self, runner, device: str) -> None:
+        self.runner, self.device, self.calls = runner, device, []
+        self._orig = runner.forward
+
+        def forward(fb):
+            if not fb.forward_mode.is_decode():
+                return self._orig(fb)
+            if device == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = self._orig(fb)
+                b.record()
+                self.calls.append((a, b))
+                return out
+            t0 = time.perf_counter()
+            out = self._orig(fb)
+            self.calls.append(1e3 * (time.perf_counter() - t0))
+            return out
+
+        runner.forward = forward
+
+    def median_ms(self) -> float | None:
+        _sync(self.device)
+        ms = [c if isinstance(c, float) else c[0].elapsed_time(c[1]) for c in self.calls]
+        return statistics.median(ms) if ms else None
+
+    def close(self) -> None:
+        self.runner.forward = self._orig
+
+
+def check_outputs(plain, spec, worker, prompts, sp, targets, deterministic: bool) -> dict:
+    """Speculative == plain (deterministic) or within the stated bound, per mode; raises otherwise."""
+    from sglang.srt.testing.spec_drafts import (batch_shape_noise, forced_drafts, verify_tolerance,
+                                                within_tolerance_violation)
+
+    gen = dict(return_logprob=True, top_logprobs_num=2)
+    ref = plain.generate(input_ids=prompts, sampling_params=sp, **gen)
+    noise = 0.0
+    if not deterministic:  # the same prompts alone vs in a batch of >= 4 (at bs 1 the timed batch is one row)
+        g = torch.Generator().manual_seed(1)
+        extra = torch.randint(5, min(plain.model_config.vocab_size, 1000), (4, len(prompts[0])), generator=g).tolist()
+        probe = (prompts + extra)[:max(4, len(prompts))]
+        batched = plain.generate(input_ids=probe, sampling_params=sp, **gen)
+        alone = [plain.generate(input_ids=p, sampling_params=sp, **gen) for p in probe[:4]]
+        noise = batch_shape_noise(alone, batched[:4])
+    tol = verify_tolerance(noise)
+    first_diff = {}
+    for m in MODES:
+        worker.draft_override = None if m == "natural" else forced_drafts(targets, m, vocab=plain.model_config.vocab_size)
+        out = spec.generate(input_ids=prompts, sampling_params=sp, **gen)
+        if deterministic:
+            if [o["output_ids"] for o in out] != [o["output_ids"] for o in ref]:
+                raise SystemExit(f"speculative output differs from plain under deterministic inference ({m})")
+        else:
+            bad = within_tolerance_violation(ref, out, tol)
+            if bad:
+                raise SystemExit(f"speculative output outside the tolerance ({m}): {bad}")
+        first_diff[m] = sum(o["output_ids"] != r["output_ids"] for o, r in zip(out, ref))
+    return {"rule": "exact" if deterministic else "tolerance", "noise_nats": noise, "tolerance_nats": tol,
+            "requests_parting_at_a_near_tie": first_diff}
+
+
 def run(args) -> dict:
     from sglang.srt.entrypoints.engine import Engine
     from sglang.srt.testing.spec_drafts import forced_drafts
 
     common = dict(model_path=args.model_path, device=args.device, dtype=args.dtype, load_format=args.load_format,
-                  random_seed=0, disable_radix_cache=True, max_total_tokens=args.max_total_tokens)
+                  random_seed=0, disable_radix_cache=True, max_total_tokens=args.max_total_tokens,
+                  enable_deterministic_inference=args.deterministic,
+                  max_running_requests=max(args.batch_sizes), cuda_graph_max_bs=max(args.batch_sizes))
+    if args.tokenizer_path:
+        common["tokenizer_path"] = args.tokenizer_path
     plain = Engine(**common)
     spec = Engine(**common, speculative_algorithm="EAGLE", speculative_num_steps=args.num_steps)
     worker = spec.scheduler.tp_worker
@@ -60,6 +144,7 @@ def run(args) -> dict:
         _timed(plain, prompts, sp, args.device)  # warm-up (and the oracle for the forced drafts)
         _, ref = _timed(plain, prompts, sp, args.device)
         targets = {tuple(p): o["output_ids"] for p, o in zip(prompts, ref)}
+        check = check_outputs(plain, spec, worker, prompts, sp, targets, args.deterministic)
         times = {"plain": []} | {m: [] for m in MODES}
         accept = {}
         for m in MODES:
@@ -71,13 +156,23 @@ def run(args) -> dict:
                 worker.draft_override = None if m == "natural" else forced_drafts(targets, m)
                 worker.num_verify_steps = worker.num_accepted_drafts = 0
                 t, out = _timed(spec, prompts, sp, args.device)
-                if [o["output_ids"] for o in out] != [o["output_ids"] for o in ref]:
-                    raise SystemExit(f"speculative output differs from plain ({m}, bs {bs})")
                 times[m].append(t)
                 accept[m] = worker.avg_accept_length
+        # draft step vs target step: one more forced-wrong run (every step drafts and verifies)
+        worker.draft_override = forced_drafts(targets, "wrong")
+        draft_t, target_t = ForwardTimer(worker.draft_runner, args.device), ForwardTimer(
+            worker.target.model_runner, args.device)
+        try:
+            _timed(spec, prompts, sp, args.device)
+            ratio = {"draft_step_ms": draft_t.median_ms(), "target_verify_ms": target_t.median_ms()}
+        finally:
+            draft_t.close()
+            target_t.close()
+        ratio["draft_over_target"] = (ratio["draft_step_ms"] / ratio["target_verify_ms"]
+                                      if ratio["draft_step_ms"] and ratio["target_verify_ms"] else None)
         med = {k: statistics.median(v) for k, v in times.items()}
         row = {"tok_s": {k: bs * args.gen_len / v for k, v in med.items()}, "seconds": med,
-               "accept_length": accept,
+               "accept_length": accept, "step_ratio": ratio, "output_check": check,
                "speedup": {m: med["plain"] / med[m] for m in MODES}}
         result["batches"][bs] = row
         print(f"  bs {bs}: {json.dumps(row)}", file=sys.stderr, flush=True)
@@ -85,10 +180,9 @@ def run(args) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot(path)
+    if plt is None:
+        return None
 
     bss = sorted(result["batches"], key=int)
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -107,6 +201,11 @@ def plot(result: dict, path: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default="builtin:tiny-deepseek-v32-mtp")
+    p.add_argument("--tokenizer-path", default=None)
+    p.add_argument("--shape", default="deepseek-v32", help="with --layers: transformers' config of this shape")
+    p.add_argument("--layers", type=int, default=None, help="real-shape model: target layers (+ one MTP layer)")
+    p.add_argument("--experts", type=int, default=16, help="with --layers: routed experts")
+    p.add_argument("--deterministic", action="store_true", help="both engines --enable-deterministic-inference")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
@@ -122,21 +221,38 @@ def main() -> None:
     if args.smoke:
         args.batch_sizes, args.prompt_len, args.gen_len, args.repeats = "1,2", 8, 8, 1
     args.batch_sizes = [int(x) for x in str(args.batch_sizes).split(",")]
-    result = {"model": args.model_path, "num_steps": args.num_steps, "prompt_len": args.prompt_len,
+    if args.layers:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "e2e"))
+        from bench_e2e_vs_hf import make_config_dir
+
+        args.model_path = args.tokenizer_path = make_config_dir(args.shape, args.layers, args.smoke,
+                                                                n_routed_experts=args.experts,
+                                                                num_nextn_predict_layers=1)
+        args.load_format = "dummy"
+    result = {"model": args.model_path, "layers": args.layers, "experts": args.experts if args.layers else None,
+              "deterministic": args.deterministic, "num_steps": args.num_steps, "prompt_len": args.prompt_len,
               "gen_len": args.gen_len, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "date": time.strftime("%Y-%m-%d"), **run(args)}
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, f"speculative_{args.device}" + ("_smoke" if args.smoke else ""))
+    tag = f"_{args.layers}l{args.experts}e" if args.layers else ""
+    stem = os.path.join(args.out_dir, f"speculative_{args.device}{tag}" + ("_det" if args.deterministic else "")
+                        + ("_smoke" if args.smoke else ""))
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
     try:
         plot(result, stem + ".png")
     except ImportError:
         print("matplotlib not installed: JSON only", file=sys.stderr)
-    print(f"{'bs':>4s} {'plain tok/s':>12s} " + " ".join(f"{m + ' tok/s':>14s} {'x':>5s} {'acc':>4s}" for m in MODES))
+    print(f"{'bs':>4s} {'plain tok/s':>12s} " + " ".join(f"{m + ' tok/s':>14s} {'x':>5s} {'acc':>4s}" for m in MODES)
+          + f" {'draft/target':>12s}")
     for bs, row in result["batches"].items():
+        r = row["step_ratio"]["draft_over_target"]
         print(f"{bs:>4} {row['tok_s']['plain']:12.1f} " + " ".join(
-            f"{row['tok_s'][m]:14.1f} {row['speedup'][m]:5.2f} {row['accept_length'][m]:4.1f}" for m in MODES))
+            f"{row['tok_s'][m]:14.1f} {row['speedup'][m]:5.2f} {row['accept_length'][m]:4.1f}" for m in MODES)
+            + f" {r if r is None else round(r, 3)!s:>12}")
+        c = row["output_check"]
+        print(f"     outputs vs plain: {c['rule']} (tolerance {c['tolerance_nats']:.2e} nats, noise "
+              f"{c['noise_nats']:.2e}); requests parting at a near-tie: {c['requests_parting_at_a_near_tie']}")
 
 
 if __name__ == "__main__":

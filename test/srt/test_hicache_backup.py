@@ -232,7 +232,7 @@ def test_pinned_until_ack_then_evicts_to_host():
     h = Harness()
     gate = threading.Event()
     copy = h.ctl._copy_to_host
-    h.ctl._copy_to_host = lambda *a: (gate.wait(30), copy(*a))
+    h.ctl._copy_to_host = lambda *a: (gate.wait(300), copy(*a))  # held until the test opens it
     toks = _tokens(16)
     req = h.req(toks)
     b = h.batch([req])

@@ -12,7 +12,7 @@ import torch
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.memory_pool_host import HostKVPool
 
-from test_memory_pool_host import nsa_pool
+from test_memory_pool_host import DEVICE, nsa_pool
 
 P = 4
 
@@ -87,7 +87,7 @@ def test_no_getter_reads_a_layer_before_its_load():
     for b in pool.kv_buffer + pool.index_k_with_scale_buffer:
         b.zero_()
     gates = [threading.Event() for _ in range(4)]
-    ctl.layer_load_delay_s = lambda lid: gates[lid].wait(30)
+    ctl.layer_load_delay_s = lambda lid: gates[lid].wait(300)  # held until the test opens it
     ctl.load(_slots([0]), _slots([1]))
     getters = {
         "get_key_buffer": lambda: pool.get_key_buffer(1)[P : 2 * P].clone(),
@@ -143,3 +143,28 @@ def test_trace_and_failure_reports():
     op = ctl.backup(_slots([1]), _slots([0]))
     ctl.wait_idle()
     assert [o.id for o in ctl.poll()] == [op.id] and "injected backup fault" in str(op.error)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="queued vs landed copies exist only with CUDA streams")
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+def test_load_queues_every_layer_before_the_device_runs_it(io_backend):
+    """A layer-wise load only queues copies: while the compute stream is still busy with work queued
+    before the load (which its copies wait for), the load thread has already queued every layer, so
+    the forward's layer i waits on the device for layer i's copy alone. (Fails on a copy path that
+    syncs the host per layer, e.g. a pageable page-list upload: it would wait for the busy stream.)"""
+    pool = nsa_pool()
+    _fill(pool, 6)
+    ctl = HiCacheController([(pool, HostKVPool(pool, 16))], io_backend)
+    _wait(ctl, ctl.backup(_slots([1, 2]), _slots([0, 3])))
+    _wait(ctl, ctl.load(_slots([0, 3]), _slots([5, 9])))  # warm-up (kernel compile, staging)
+    torch.cuda._sleep(int(1e10))  # several seconds of GPU time on the compute stream
+    busy = torch.cuda.Event()
+    busy.record()
+    op = ctl.load(_slots([0, 3]), _slots([6, 7]))
+    with ctl._cv:
+        queued = ctl._cv.wait_for(lambda: op.progress[0] == pool.layer_num or op.done, timeout=60)
+    assert queued and not busy.query(), "the load thread waited for the device before queuing its layers"
+    _wait(ctl, op)
+    for lid in range(pool.layer_num):
+        for p in pool.page_payloads(lid):
+            assert torch.equal(p.buffer[torch.tensor([6, 7])].cpu(), p.buffer[torch.tensor([1, 2])].cpu())

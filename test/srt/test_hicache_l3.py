@@ -102,6 +102,8 @@ def test_l3_grown_conversation_hits_its_stored_prefix(tmp_path):
 
 
 def test_l3_layout_mismatch_disables_the_tier_once(tmp_path, monkeypatch):
+    """A page of another layout in this server's own namespace (a writer that did not key its pages by
+    the fingerprint) is refused: the tier turns off with one error, output stays right."""
     import sglang.srt.mem_cache.storage.tier as tier_mod
 
     errors = []
@@ -110,14 +112,98 @@ def test_l3_layout_mismatch_disables_the_tier_once(tmp_path, monkeypatch):
     first = _engine(**_storage_args(tmp_path))
     first.generate(input_ids=prompt, sampling_params=SP)
     _drain(first)
+    ns = first.scheduler.tree_cache.controller.storage.backends[0].namespace
     want, _ = _fresh(prompt, nsa_index_topk_freq=4)
-    eng = _engine(**_storage_args(tmp_path), nsa_index_topk_freq=4)  # another IndexCache schedule
+    # another IndexCache schedule forced into the first server's namespace (and fingerprint)
+    real_ns, real_fp = tier_mod.storage_namespace, tier_mod.pool_fingerprint
+    monkeypatch.setattr(tier_mod, "storage_namespace", lambda *parts: ns)
+    monkeypatch.setattr(tier_mod, "pool_fingerprint", lambda *a, **k: ns.split("-kv")[1][:16])
+    eng = _engine(**_storage_args(tmp_path), nsa_index_topk_freq=4)
+    monkeypatch.setattr(tier_mod, "storage_namespace", real_ns)
+    monkeypatch.setattr(tier_mod, "pool_fingerprint", real_fp)
     for _ in range(2):
         assert eng.generate(input_ids=prompt, sampling_params=SP)["output_ids"] == want
     tier = eng.scheduler.tree_cache.controller.storage
     assert not tier.enabled and "another KV layout" in tier.error
     assert len(errors) == 1 and "storage tier disabled" in errors[0]
     _assert_clean(eng)
+
+
+@pytest.mark.parametrize("second", [
+    dict(json_model_override_args=json.dumps({"routed_scaling_factor": 9.0})),  # same path, other config
+    dict(model_path="builtin:tiny-glm-moe-dsa", served_model_name="builtin:tiny-deepseek-v32"),  # other weights
+    dict(nsa_index_topk_freq=4),  # another IndexCache schedule (another layout)
+    dict(dtype="bfloat16"),
+], ids=["override", "other-model-same-name", "indexcache", "dtype"])
+def test_l3_never_serves_another_models_kv(tmp_path, monkeypatch, second):
+    """Issue 33 item 2: a server whose KV differs (config override, other weights under the served name
+    of the first, IndexCache schedule, dtype) on the first's store must answer its own cold output:
+    it keys its pages by its KV fingerprint, so it sees none of the first's, and says so in a warning."""
+    import sglang.srt.mem_cache.storage.tier as tier_mod
+
+    warnings = []
+    monkeypatch.setattr(tier_mod.logger, "warning", lambda *a: warnings.append(a[0] % a[1:]))
+    kw = dict(page_size=64, max_total_tokens=512, chunked_prefill_size=64)
+    prompt, _ = _prompts(0, 200, seed=21)
+    first = _engine(**_storage_args(tmp_path), served_model_name="builtin:tiny-deepseek-v32", **kw)
+    first.generate(input_ids=prompt, sampling_params=SP)
+    _drain(first)
+    assert first.scheduler.tree_cache.controller.storage.stats["stored_pages"] >= 3
+    assert not warnings
+    want = _engine(disable_radix_cache=True, **{**kw, **second}).generate(input_ids=prompt, sampling_params=SP)
+    eng = _engine(**_storage_args(tmp_path), **{"served_model_name": "builtin:tiny-deepseek-v32", **kw, **second})
+    res = eng.generate(input_ids=prompt, sampling_params=SP)
+    assert res["output_ids"] == want["output_ids"]
+    assert res["meta_info"]["cached_tokens"] == 0
+    tc = eng.scheduler.tree_cache
+    assert tc.stats["storage_loaded_tokens"] == 0 and tc.controller.storage.enabled
+    assert any("other fingerprint" in w for w in warnings), warnings
+    # the same server again (a restart) does hit its own pages
+    _drain(eng)
+    again = _engine(**_storage_args(tmp_path), **{"served_model_name": "builtin:tiny-deepseek-v32", **kw, **second})
+    res = again.generate(input_ids=prompt, sampling_params=SP)
+    assert res["output_ids"] == want["output_ids"] and res["meta_info"]["cached_tokens"] == 192
+
+
+def test_kv_fingerprint_inputs(tmp_path):
+    """What the fingerprint sees: a rewritten weight file, a config value, the layout, the TP size."""
+    import os
+
+    from sglang.srt.mem_cache.storage.fingerprint import kv_fingerprint, weights_identity
+
+    (tmp_path / "model-00001.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "config.json").write_text("{}")
+    w0 = weights_identity(str(tmp_path))
+    assert [r[0] for r in w0] == ["model-00001.safetensors"]  # the config is not a weight file
+    os.utime(tmp_path / "model-00001.safetensors", ns=(1, 2))
+    assert weights_identity(str(tmp_path)) != w0  # rewritten in place
+    assert weights_identity(str(tmp_path), "dummy") == "dummy"
+    base = kv_fingerprint(w0, {"a": 1}, {"page_size": 64}, tp_size=1)
+    assert base == kv_fingerprint(w0, {"a": 1}, {"page_size": 64}, tp_size=1)
+    assert len({base, kv_fingerprint(w0, {"a": 2}, {"page_size": 64}, tp_size=1),
+                kv_fingerprint(w0, {"a": 1}, {"page_size": 1}, tp_size=1),
+                kv_fingerprint(w0, {"a": 1}, {"page_size": 64}, tp_size=2)}) == 4
+
+
+def test_page_of_another_fingerprint_is_refused(tmp_path):
+    """Every blob carries its writer's fingerprint: a reader of another one refuses it loudly."""
+    from sglang.srt.mem_cache.storage import StorageLayoutError
+    from sglang.srt.mem_cache.storage.file_storage import HiCacheFile
+    from sglang.srt.mem_cache.storage.hicache_storage import PageData, page_hashes
+
+    eng = _engine()
+    layout = eng.scheduler.tp_worker.model_runner.token_to_kv_pool.layout()
+    page = PageData(kv=[torch.zeros(layout.kv_bytes_per_page, dtype=torch.uint8)] * layout.layer_num,
+                    index_k=[torch.zeros(layout.index_k_bytes_per_page, dtype=torch.uint8)]
+                    * len(layout.index_layer_ids))
+    key = page_hashes(list(range(layout.page_size)), layout.page_size)[0]
+    a = HiCacheFile(layout, {"file_path": str(tmp_path)}, namespace="ns", fingerprint="a" * 64)
+    a.batch_set([key], [page])
+    a.close()
+    b = HiCacheFile(layout, {"file_path": str(tmp_path)}, namespace="ns", fingerprint="b" * 64)
+    with pytest.raises(StorageLayoutError, match="kv_fingerprint"):
+        b.batch_get([key])
+    b.close()
 
 
 def test_l3_corrupt_page_is_a_miss(tmp_path):

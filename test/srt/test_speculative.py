@@ -21,10 +21,16 @@ from sglang.srt.testing.spec_drafts import forced_drafts
 
 DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
 MODEL = "builtin:tiny-deepseek-v32-mtp"
+# On a GPU a verify row runs in another batch shape than plain decoding's row (b * n rows vs b), and
+# cuBLAS picks its kernels by shape: exact equality holds under batch-invariant kernels, which is
+# what these tests check there. The default mode's bound is test_default_mode_verify_within_tolerance.
+EXACT = {"enable_deterministic_inference": True} if DEVICE == "cuda" else {}
+EXACT_FLAGS = ["--enable-deterministic-inference"] if DEVICE == "cuda" else []
 
 
 def _engine(spec: bool, model: str = MODEL, **kw) -> Engine:
     kw.setdefault("max_total_tokens", 4096)
+    kw = {**EXACT, **kw}
     if spec:
         kw = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, **kw)
     return Engine(model_path=model, device=DEVICE, random_seed=0, **kw)
@@ -40,6 +46,23 @@ def _key(o: dict) -> tuple:
     return o["output_ids"], str(m["finish_reason"]), m["completion_tokens"], lps
 
 
+def _count_graph_replays(worker) -> dict[str, int]:
+    """Counts replays of the target's and the draft's CUDA graphs (none on CPU: no runner)."""
+    counts = {"target": 0, "draft": 0}
+    for name, runner in (("target", worker.target.model_runner), ("draft", worker.draft_runner)):
+        g = runner.cuda_graph_runner
+        if g is None:
+            continue
+        replay = g.replay
+
+        def counted(fb, _replay=replay, _name=name):
+            counts[_name] += 1
+            return _replay(fb)
+
+        g.replay = counted
+    return counts
+
+
 def _whole(engine: Engine) -> None:
     s = engine.scheduler
     assert not s.has_work() and s.kv_leak_report() is None
@@ -52,11 +75,15 @@ def test_greedy_equals_plain_with_random_right_and_wrong_drafts(engine_kw):
     prompts = _prompts(5)
     params = [{"temperature": 0, "max_new_tokens": 6 + 5 * i, "ignore_eos": True} for i in range(5)]
     gen = dict(return_logprob=True, top_logprobs_num=2)
-    ref = _engine(False, **engine_kw).generate(input_ids=prompts, sampling_params=params, **gen)
+    plain = _engine(False, **engine_kw)
+    ref = plain.generate(input_ids=prompts, sampling_params=params, **gen)
     spec = _engine(True, **engine_kw)
     worker = spec.scheduler.tp_worker
     assert worker.num_tokens_per_req == 4
+    replays = _count_graph_replays(worker)
     outs = spec.generate(input_ids=prompts, sampling_params=params, **gen)
+    if DEVICE == "cuda":  # both the target verify and the draft decode ran from their CUDA graphs
+        assert replays["target"] and replays["draft"], replays
     assert [_key(o) for o in outs] == [_key(o) for o in ref]
     m = outs[0]["meta_info"]  # upstream's fields: completion tokens per verify step
     assert m["spec_verify_ct"] > 0 and m["spec_accept_length"] == m["completion_tokens"] / m["spec_verify_ct"]
@@ -73,15 +100,58 @@ def test_greedy_equals_plain_with_random_right_and_wrong_drafts(engine_kw):
         expect = {"right": (3.0, 4.0), "wrong": (1.0, 1.0), "mixed": (1.2, 3.0)}[mode]
         assert expect[0] <= worker.avg_accept_length <= expect[1], (mode, worker.avg_accept_length)
         _whole(spec)
-    # Radix hits on KV (target and draft) that verify steps committed: a second round extends the outputs.
+    # Radix hits on KV (target and draft) that verify steps committed: a second round extends the
+    # outputs, as plain decoding's second round extends from its own cache (an extend over a cached
+    # prefix is other arithmetic than a fresh prefill on a GPU, deterministic mode or not).
     worker.draft_override = None
     prompts2 = [p + r["output_ids"][:-2] for p, r in zip(prompts, ref)]
     p2 = {"temperature": 0, "max_new_tokens": 7, "ignore_eos": True}
     ours = spec.generate(input_ids=prompts2, sampling_params=p2, **gen)
+    theirs = plain.generate(input_ids=prompts2, sampling_params=p2, **gen)
+    assert [o["meta_info"]["cached_tokens"] for o in ours] == [o["meta_info"]["cached_tokens"] for o in theirs]
     assert sum(o["meta_info"]["cached_tokens"] for o in ours) > 0
-    assert [_key(o) for o in ours] == [_key(o) for o in _engine(False, **engine_kw).generate(
-        input_ids=prompts2, sampling_params=p2, **gen)]
+    assert [_key(o) for o in ours] == [_key(o) for o in theirs]
+    if DEVICE == "cpu":  # on CPU an extend over a cached prefix is exactly a fresh prefill
+        assert [_key(o) for o in ours] == [_key(o) for o in _engine(False, **engine_kw).generate(
+            input_ids=prompts2, sampling_params=p2, **gen)]
     _whole(spec)
+
+
+def test_default_mode_verify_within_tolerance():
+    """Without --enable-deterministic-inference (the default; on a GPU verify rows and plain rows run
+    other GEMM kernels): every speculative output -- natural, forced right / wrong / mixed drafts --
+    equals plain decoding within the bound of testing/spec_drafts.py: logprobs within SAFETY x the
+    batch-shape noise plain decoding itself shows in this run (alone vs batched), and a first
+    differing token only where plain's top-2 are that close. On CPU the noise is fp32 rounding."""
+    from sglang.srt.testing.spec_drafts import batch_shape_noise, verify_tolerance, within_tolerance_violation
+
+    prompts = _prompts(5)
+    params = [{"temperature": 0, "max_new_tokens": 6 + 3 * i, "ignore_eos": True} for i in range(5)]
+    gen = dict(return_logprob=True, top_logprobs_num=2)
+    off = {"enable_deterministic_inference": False}
+    plain = _engine(False, **off)
+    ref = plain.generate(input_ids=prompts, sampling_params=params, **gen)
+    alone = [plain.generate(input_ids=p, sampling_params=sp, **gen) for p, sp in zip(prompts, params)]
+    noise = batch_shape_noise(alone, ref)
+    tol = verify_tolerance(noise)
+    if DEVICE == "cpu":
+        assert noise < 1e-5  # CPU decoding is batch-invariant up to fp32 rounding of the log-softmax
+    spec = _engine(True, **off)
+    worker = spec.scheduler.tp_worker
+    targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
+    for mode in ("natural", "right", "wrong", "mixed"):
+        worker.draft_override = None if mode == "natural" else forced_drafts(targets, mode)
+        assert spec.flush_cache()
+        outs = spec.generate(input_ids=prompts, sampling_params=params, **gen)
+        assert within_tolerance_violation(ref, outs, tol) is None, (mode, noise, within_tolerance_violation(
+            ref, outs, tol))
+        _whole(spec)
+    # the rule has power: a token that is not a near-tie of plain's is refused
+    bad = [dict(o, output_ids=list(o["output_ids"])) for o in ref]
+    bad[0]["output_ids"][0] = (bad[0]["output_ids"][0] + 1) % 1000
+    top = ref[0]["meta_info"]["output_top_logprobs"][0]
+    if bad[0]["output_ids"][0] != top[1][1] or top[0][0] - top[1][0] > 2 * tol:
+        assert within_tolerance_violation(ref, bad, tol) is not None
 
 
 @pytest.mark.parametrize("engine_kw", [dict(), dict(chunked_prefill_size=8, page_size=4, max_total_tokens=256)],
@@ -94,7 +164,8 @@ def test_overlap_launches_the_next_verify_before_the_previous_is_processed(engin
     prompts = _prompts(6)
     params = [{"temperature": 0, "max_new_tokens": 8 + 3 * i, "ignore_eos": i % 2 == 0} for i in range(6)]
     gen = dict(return_logprob=True, top_logprobs_num=2)
-    ref = _engine(False, **engine_kw).generate(input_ids=prompts, sampling_params=params, **gen)
+    plain = _engine(False, **engine_kw)
+    ref = plain.generate(input_ids=prompts, sampling_params=params, **gen)
     targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
     sync = _engine(True, disable_overlap_schedule=True, **engine_kw)
     spec = _engine(True, **engine_kw)
@@ -121,9 +192,13 @@ def test_overlap_launches_the_next_verify_before_the_previous_is_processed(engin
         _whole(spec)
         _whole(sync)
     assert sum(overlapped) > len(overlapped) // 2, overlapped
-    # radix hits: the same prompts again, without a flush, reuse their cached prefixes
+    # radix hits: the same prompts again, without a flush, reuse their cached prefixes (compared with
+    # plain decoding's own second round: see test_greedy_equals_plain_...)
     outs = spec.generate(input_ids=prompts, sampling_params=params, **gen)
-    assert [_key(o) for o in outs] == [_key(o) for o in ref]
+    again = plain.generate(input_ids=prompts, sampling_params=params, **gen)
+    assert [_key(o) for o in outs] == [_key(o) for o in again]
+    if DEVICE == "cpu":
+        assert [_key(o) for o in outs] == [_key(o) for o in ref]
     assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
     _whole(spec)
 
@@ -361,7 +436,7 @@ def test_server_streams_equal_plain_and_report_accept_length():
     prompts = [f"Request {i}: " + "alpha beta " * (i + 2) for i in range(8)]
     plain = _engine(False)
     ref = [plain.generate(p, {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})["text"] for p in prompts]
-    with ServerProcess(MODEL, "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
+    with ServerProcess(MODEL, *EXACT_FLAGS, "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
                        "--max-total-tokens", "4096", "--enable-metrics", "--random-seed", "0") as server:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
 
@@ -454,9 +529,11 @@ def test_load_64_streams_with_aborts_and_retraction():
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 1000) for _ in range(rng.randrange(8, 24))] for _ in range(64)]
     sp = {"temperature": 0, "max_new_tokens": 20, "ignore_eos": True}
-    ref = [o["output_ids"] for o in _engine(False).generate(input_ids=prompts, sampling_params=sp)]
-    with ServerProcess(MODEL, "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
-                       "--max-total-tokens", "640", "--random-seed", "0") as server:
+    # page size 4 on every device: with CUDA's default 64 the 640-token pool is 10 pages, one per
+    # request, and nothing grows past its page (no retraction to test)
+    ref = [o["output_ids"] for o in _engine(False, page_size=4).generate(input_ids=prompts, sampling_params=sp)]
+    with ServerProcess(MODEL, *EXACT_FLAGS, "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+                       "--max-total-tokens", "640", "--page-size", "4", "--random-seed", "0") as server:
         errors, lock = [], threading.Lock()
 
         def run(i: int):

@@ -98,7 +98,11 @@ class ServerArgs:
                            "(a dead rank then stops the server instead of hanging it).", "parallel")
 
     # -- memory -----------------------------------------------------------------------------
-    mem_fraction_static: float = _f(0.85, "Fraction of GPU memory for weights + KV cache.", "memory")
+    mem_fraction_static: float | None = _f(None, "Fraction of GPU memory for weights + KV cache (upstream's meaning); "
+                                           "the rest must hold the activations of the largest prefill step and "
+                                           "the CUDA graphs (checked at start-up). Default: auto, the KV cache "
+                                           "takes all but that reserve (the start-up log prints the plan).",
+                                           "memory")
     max_total_tokens: int | None = _f(None, "KV cache capacity in tokens (overrides the memory budget).",
                                       "memory")
     page_size: int | None = _f(None, "Tokens per KV page; default 64 for DSA on CUDA, else 1.", "memory")
@@ -138,8 +142,10 @@ class ServerArgs:
     hicache_write_policy: str = _f("write_through", "When device KV is backed up to host: write_through (on "
                                    "insert), write_through_selective (on a node's second hit), write_back (on "
                                    "device eviction).", "hicache", HICACHE_WRITE_POLICIES)
-    hicache_io_backend: str = _f("direct", "Host<->device page copies: direct (torch index copies) or kernel "
-                                 "(a Triton page-copy kernel; GPU only).", "hicache", HICACHE_IO_BACKENDS)
+    hicache_io_backend: str = _f("direct", "Host<->device page copies: direct (one cudaMemcpyAsync per run of "
+                                 "consecutive host pages, scattered device pages through a staging buffer) or "
+                                 "kernel (a Triton page-copy kernel reading / writing pinned host memory; GPU "
+                                 "only).", "hicache", HICACHE_IO_BACKENDS)
     hicache_mem_layout: str = _f("layer_first", "Host pool layout: layer_first (one buffer per layer) or "
                                  "page_first (a page's layers contiguous).", "hicache", HICACHE_MEM_LAYOUTS)
 
@@ -367,7 +373,7 @@ def _check_runtime(args: ServerArgs) -> None:
 
 
 def _check_memory(args: ServerArgs) -> None:
-    if not 0.0 < args.mem_fraction_static < 1.0:
+    if args.mem_fraction_static is not None and not 0.0 < args.mem_fraction_static < 1.0:
         raise ServerArgsError("mem_fraction_static", f"must be in (0, 1), got {args.mem_fraction_static}")
     _positive(args, "max_total_tokens")
     _positive(args, "page_size")

@@ -181,6 +181,13 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
 
     @app.get("/health_generate")
     async def health_generate():
+        try:
+            stall = (await tm.get_load()).admission_stall
+        except asyncio.TimeoutError:
+            return error_response("generation health check failed: the scheduler does not answer", 503,
+                                  "server_error")
+        if stall is not None:  # a generation would wait behind the stalled queue
+            return error_response(f"generation health check failed: {stall}", 503, "server_error")
         req = GenerateRequest(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
         try:
             await asyncio.wait_for(tm.generate_full(req), timeout=60)

@@ -10,6 +10,12 @@ from torch import nn
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 
 
+# Input-logprob rows projected at once: their [rows, vocab] logits (bf16, fp32, log-softmax) are the
+# transient, 1.3 GB at V3.2's 129280 vocab; unchunked, an 8192-token prompt chunk asking for prompt
+# logprobs took 10.6 GB beside a KV pool planned to leave ~4 (model_executor/memory_plan.py).
+INPUT_LOGPROB_CHUNK_ROWS = 1024
+
+
 @dataclass
 class LogitsProcessorOutput:
     next_token_logits: torch.Tensor  # [B, V] fp32, at each request's last token
@@ -74,10 +80,20 @@ class LogitsProcessor(nn.Module):
         ids = forward_batch.input_ids
         r = torch.tensor(rows, device=ids.device)
         t = ids[r + 1]
-        logprobs = torch.log_softmax(lm_head.logits(hidden_states[r]).float(), dim=-1)
-        out.input_token_logprobs = logprobs.gather(1, t[:, None]).squeeze(1)
-        out.input_logprob_counts = counts
         nums = forward_batch.top_logprobs_nums or []
-        if any(n > 0 for n in nums):
+        k = max(nums) if any(n > 0 for n in nums) else 0
+        token_lp, top_val, top_idx = [], [], []
+        for i in range(0, len(rows), INPUT_LOGPROB_CHUNK_ROWS):  # row-wise: values as unchunked (up to the GEMM's kernel choice for M rows)
+            j = slice(i, i + INPUT_LOGPROB_CHUNK_ROWS)
+            logprobs = torch.log_softmax(lm_head.logits(hidden_states[r[j]]).float(), dim=-1)
+            token_lp.append(logprobs.gather(1, t[j, None]).squeeze(1))
+            if k:
+                v, ix = logprobs.topk(k, dim=-1)
+                top_val.append(v)
+                top_idx.append(ix)
+            del logprobs
+        out.input_token_logprobs = torch.cat(token_lp)
+        out.input_logprob_counts = counts
+        if k:
             # Kept on the device; the scheduler copies them once with the step's results.
-            out.input_top_logprobs_val, out.input_top_logprobs_idx = logprobs.topk(max(nums), dim=-1)
+            out.input_top_logprobs_val, out.input_top_logprobs_idx = torch.cat(top_val), torch.cat(top_idx)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.utils.common import upload
 
 
 @dataclass
@@ -69,7 +70,7 @@ def apply_custom_logit_processor(logits: torch.Tensor, info: SamplingBatchInfo) 
         raise ValueError(f"logits have {logits.shape[0]} rows for a batch of {len(info)}")
     params = info.custom_params or [None] * len(info)
     for processor, rows in info.custom_logit_processor.values():
-        idx = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        idx = upload(torch.tensor(rows, dtype=torch.int64), logits.device)
         logits[idx] = processor(logits[idx], [params[i] for i in rows]).to(logits.dtype)
 
 

@@ -28,9 +28,12 @@ Interfaces for the other parts of issue 20 (stable; None = off, no cost on the c
 - With `SGLANG_CP_HICACHE_KV_TRACE` >= 1 `trace` is the KV tracer's adapter
   (`debug.kv_trace.HiCacheTrace`): at backup it hashes the host rows just written, at load the
   device rows just written (so a corrupted host copy and a broken copy both show).
-`--hicache-io-backend`: direct = torch index copies (gather, copy, scatter); kernel = one Triton
-launch per layer and payload (`sgl_kernel.page_copy`) reading / writing the pinned host mirror
-through its mapped pointer (GPU only; on CPU it runs under the Triton interpreter in tests).
+`--hicache-io-backend`: direct = one cudaMemcpyAsync per run of consecutive host pages per layer and
+payload, scattered device pages through a staging buffer (`mem_cache/hicache_io.py`); kernel = one
+Triton launch per layer and payload (`sgl_kernel.page_copy`) reading / writing the pinned host
+mirror through its mapped pointer (GPU only; on CPU it runs under the Triton interpreter in tests).
+Either way an op's page lists are planned and uploaded once (`PageRuns`), copies are queued without
+a host sync, and the copy thread waits only at the end of an op (or of a layer's backup).
 Test hooks: `layer_load_delay_s` (seconds, or a callable(layer_id)) delays each layer's load;
 `backup_fault` (callable(layer_id) -> bool) makes a backup of that layer fail.
 """
@@ -47,7 +50,9 @@ from typing import Any, Callable
 
 import torch
 
+from sglang.srt.mem_cache import hicache_io
 from sglang.srt.mem_cache.cp_page_map import page_owner, physical_page
+from sglang.srt.mem_cache.hicache_io import PageRuns
 from sglang.srt.mem_cache.memory_pool import KVCache
 from sglang.srt.mem_cache.memory_pool_host import HostKVPool
 
@@ -122,6 +127,8 @@ class HiCacheController:
         self.pairs = pairs
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.page_size = pairs[0][1].page_size
+        widest = max(max(h.layout_info.kv_bytes_per_page, h.layout_info.index_k_bytes_per_page) for _, h in pairs)
+        self.max_staged_pages = max(1, hicache_io.STAGING_BYTES // widest)
         self.use_cuda = any(torch.device(d.device).type == "cuda" for d, _ in pairs)
         self._cv = threading.Condition()
         self._loads: list[TransferOp] = []  # in flight (not yet acknowledged)
@@ -153,6 +160,11 @@ class HiCacheController:
         mine = page_owner(dp, self.cp_size) == self.cp_rank
         return hp[mine], physical_page(dp[mine], self.cp_size)
 
+    def plan(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> PageRuns:
+        """The page runs this rank copies for these slots (host and device slots in the same order)."""
+        hp, dp = self._local(self._pages(host_indices), self._pages(device_indices))
+        return PageRuns(hp, dp, self.max_staged_pages)
+
     def _compute_event(self):
         """An event on the compute stream now: copies wait for the work queued so far."""
         if not self.use_cuda:
@@ -168,7 +180,7 @@ class HiCacheController:
         op = TransferOp("load", host_indices, device_indices, page_keys, on_done=on_done)
         op.progress = [0] * len(self.pairs)
         op.events = [[None] * dev.layer_num for dev, _ in self.pairs]
-        hp, dp = self._local(self._pages(host_indices), self._pages(device_indices))
+        runs = self.plan(host_indices, device_indices)
         ready = self._compute_event()
         with self._cv:
             self._loads.append(op)
@@ -176,7 +188,7 @@ class HiCacheController:
                 for (dev, _), c in zip(self.pairs, self._counters):
                     dev.register_layer_transfer_counter(c)
                 self._counters_on = True
-        self._load_thread.submit(lambda: self._run_load(op, hp, dp, ready))
+        self._load_thread.submit(lambda: self._run_load(op, runs, ready))
         return op
 
     def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor, page_keys: list | None = None,
@@ -185,14 +197,14 @@ class HiCacheController:
         self._unacked += 1
         op = TransferOp("backup", host_indices, device_indices, page_keys, on_done=on_done)
         op.progress = [0] * len(self.pairs)
-        hp, dp = self._local(self._pages(host_indices), self._pages(device_indices))
+        runs = self.plan(host_indices, device_indices)
         ready = self._compute_event()
 
         def run() -> None:
             try:
                 for i, (dev, host) in enumerate(self.pairs):
                     for layer in range(dev.layer_num):
-                        self._copy_to_host(i, layer, hp, dp, op.page_keys)
+                        self._copy_to_host(i, layer, runs, op.page_keys)
                 self._sync(self._write_stream)
             except BaseException as e:  # reported to the scheduler thread via poll()
                 op.error = e
@@ -203,14 +215,14 @@ class HiCacheController:
 
     def backup_layer(self, pair: int, layer_id: int, device_indices: torch.Tensor, host_indices: torch.Tensor,
                      page_keys: list | None, done: Callable[[BaseException | None], None]) -> None:
-        """Queue one layer's backup (a layer-end hook); `done(error)` runs on the copy thread."""
-        hp, dp = self._local(self._pages(host_indices), self._pages(device_indices))
+        """Queue one layer's backup (a layer-end hook); `done(error)` runs on the copy thread. The
+        forward thread only records an event here: the plan is made on the copy thread."""
         ready = self._compute_event()
 
         def run() -> None:
             err = None
             try:
-                self._copy_to_host(pair, layer_id, hp, dp, page_keys)
+                self._copy_to_host(pair, layer_id, self.plan(host_indices, device_indices), page_keys)
                 self._sync(self._write_stream)
             except BaseException as e:
                 err = e
@@ -253,20 +265,21 @@ class HiCacheController:
         if stream is not None:
             stream.synchronize()  # the copy thread waits, never the scheduler
 
-    def _copy_to_host(self, pair: int, layer_id: int, hp: torch.Tensor, dp: torch.Tensor, keys) -> None:
+    def _copy_to_host(self, pair: int, layer_id: int, runs: PageRuns, keys) -> None:
         if self.backup_fault is not None and self.backup_fault(layer_id):
             raise RuntimeError(f"injected backup fault at layer {layer_id}")
         dev, host = self.pairs[pair]
         for payload in dev.page_payloads(layer_id):
             dst = host.payload(layer_id, payload.name)
             if self.io_backend == "kernel":  # one launch; the host side through its mapped pointer
-                d = payload.buffer.device
-                self._copy_pages(payload.buffer, dst, dp.to(d), hp.to(d))
-            else:  # a blocking D2H on the copy thread: it waits for the write stream, never the forward
-                dst[hp] = payload.buffer[dp.to(payload.buffer.device)].cpu()
-            self._observe("backup", self.on_backup_done, hp, layer_id, payload.name, dst, keys)
+                hp_d, dp_d = runs.pages_on(payload.buffer.device)
+                self._copy_pages(payload.buffer, dst, dp_d, hp_d)
+            else:  # queued on the write stream; the copy thread syncs it, never the forward
+                hicache_io.backup_pages(runs, payload.buffer, dst)
+            self._observe("backup", self.on_backup_done, runs.host_pages, layer_id, payload.name, dst, keys)
 
-    def _copy_to_device(self, pair: int, layer_id: int, hp: torch.Tensor, dp: torch.Tensor, keys) -> None:
+    def _copy_to_device(self, pair: int, layer_id: int, runs: PageRuns, keys) -> None:
+        hp, dp = runs.host_pages, runs.device_pages
         dev, host = self.pairs[pair]
         names = host.payload_names(layer_id)
         # The raw buffers, not the waiting getters: this copy is what the getters wait for.
@@ -276,9 +289,10 @@ class HiCacheController:
         for name in names:
             buf, src = bufs[name], host.payload(layer_id, name)
             if self.io_backend == "kernel":
-                self._copy_pages(src, buf, hp.to(buf.device), dp.to(buf.device))
+                hp_d, dp_d = runs.pages_on(buf.device)
+                self._copy_pages(src, buf, hp_d, dp_d)
             else:
-                buf[dp.to(buf.device)] = src[hp].to(buf.device, non_blocking=True)
+                hicache_io.load_pages(runs, src, buf)
             # the trace hashes what landed on the device (a broken copy shows), the hook the host rows
             rows = buf[dp.to(buf.device)] if self.trace is not None else None
             self._observe("load", self.on_load_done, hp, layer_id, name, src, keys, rows)
@@ -287,8 +301,8 @@ class HiCacheController:
                  keys, rows: torch.Tensor | None = None) -> None:
         if hook is None and self.trace is None:
             return
-        if self.use_cuda and self.io_backend == "kernel" and event == "backup":
-            torch.cuda.current_stream().synchronize()  # the kernel's host writes must have landed
+        if self.use_cuda and event == "backup":
+            torch.cuda.current_stream().synchronize()  # the queued host writes must have landed
         if hook is not None:
             hook(hp, layer_id, name, host_buf[hp])
         if self.trace is not None:
@@ -296,7 +310,7 @@ class HiCacheController:
                 fp = (page, keys[j] if keys is not None else None)
                 self.trace.record(event, fp, layer_id, name, host_buf[page] if rows is None else rows[j])
 
-    def _run_load(self, op: TransferOp, hp: torch.Tensor, dp: torch.Tensor, ready) -> None:
+    def _run_load(self, op: TransferOp, runs: PageRuns, ready) -> None:
         def run() -> None:
             try:
                 depth = max(dev.layer_num for dev, _ in self.pairs)
@@ -305,7 +319,7 @@ class HiCacheController:
                     for i, (dev, _) in enumerate(self.pairs):
                         if layer >= dev.layer_num:
                             continue
-                        self._copy_to_device(i, layer, hp, dp, op.page_keys)
+                        self._copy_to_device(i, layer, runs, op.page_keys)
                         if self.use_cuda:
                             ev = torch.cuda.Event()
                             ev.record(self._load_stream)
@@ -369,6 +383,12 @@ class HiCacheController:
             if op.on_done is not None:
                 op.on_done(op)
         return done
+
+    def wait_done(self, op: TransferOp, timeout: float = 60.0) -> None:
+        """Block until `op` has finished (it is acknowledged by the next poll)."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: op.done, timeout):
+                raise TimeoutError(f"HiCache {op.kind} op {op.id} did not finish in {timeout} s")
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Block until both copy threads have drained their queues (tests, flush, shutdown)."""

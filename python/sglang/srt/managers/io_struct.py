@@ -68,6 +68,7 @@ class SchedulerStats:
     num_grammar_queue_reqs: int = 0  # of num_waiting_reqs, those waiting for their grammar to compile
     num_retracted_reqs: int = 0  # since start: requests a decode step that ran out of KV put back in the queue
     host_cached_tokens: int = 0  # HiCache: tokens whose KV has a committed host copy
+    admission_stall: str | None = None  # why requests wait while nothing runs (the admission watchdog)
 
 
 @dataclass

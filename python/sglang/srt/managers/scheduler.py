@@ -35,7 +35,8 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.constrained.grammar_registry import create_grammar_backend
 from sglang.srt.constrained.grammar_manager import GrammarManager
-from sglang.srt.managers.request_limits import request_length_error
+from sglang.srt.managers.admission_watchdog import AdmissionWatchdog
+from sglang.srt.managers.request_limits import max_new_tokens_limit, request_length_error
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting_queue
 from sglang.srt.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
@@ -100,6 +101,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.num_cached_tokens = 0
         self.num_retracted_reqs = 0  # since start: decode steps that ran out of KV
         self.forward_ct = 0
+        self.admission_watchdog = AdmissionWatchdog()
+        self.last_step_progressed = False  # else the event loop waits briefly on its sockets: no spinning
         self.init_metrics()
 
     # -- requests -----------------------------------------------------------------------------------
@@ -110,11 +113,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         req = Req(recv.rid, recv.input_ids, sp, recv.return_logprob, recv.logprob_start_len,
                   recv.top_logprobs_num, recv.stream, recv.return_hidden_states, recv.custom_logit_processor)
         req.eos_token_ids = frozenset(self.eos_token_ids)
-        error = request_length_error(len(req.origin_input_ids), sp.max_new_tokens, self.context_len,
-                                     self.max_total_num_tokens, self.page_size)
+        n_input, per_step = len(req.origin_input_ids), self.tp_worker.num_tokens_per_req
+        error = request_length_error(n_input, sp.max_new_tokens, self.context_len, self.max_total_num_tokens,
+                                     self.page_size, tokens_per_step=per_step)
         if error is not None:
             req.finished_reason = FINISH_ABORT(error.message, 400)
             return [self._make_output(req, [])]
+        sp.max_new_tokens = min(sp.max_new_tokens,
+                                max_new_tokens_limit(n_input, self.max_total_num_tokens, self.page_size, per_step))
         if req.custom_logit_processor and not self.server_args.enable_custom_logit_processor:
             req.finished_reason = FINISH_ABORT(CUSTOM_LOGIT_PROCESSOR_DISABLED, 400)
             return [self._make_output(req, [])]
@@ -188,6 +194,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         """One scheduler iteration: launch the next step, process the previous one's results (with
         overlap the two run concurrently; without, the step launched here is processed here)."""
         outputs = self.move_ready_grammar_requests()
+        had_in_flight = self.in_flight is not None
         self.tree_cache.check_events()
         if self.in_flight is not None and not self._can_prepare_while_in_flight():
             outputs += self._process_in_flight()
@@ -201,6 +208,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.in_flight = launched
         if launched is not None and not self._overlap_active():
             outputs += self._process_in_flight()
+        self.last_step_progressed = launched is not None or had_in_flight
+        self.admission_watchdog.observe(launched is None and self.in_flight is None and bool(self.waiting_queue),
+                                        self.admission_report)
         if batch is None and self.in_flight is None and not (self.waiting_queue or self.running or self.chunked_req):
             self.grammar_manager.wait()
         return outputs
@@ -500,4 +510,5 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             num_grammar_queue_reqs=len(self.grammar_manager),
             num_retracted_reqs=self.num_retracted_reqs,
             host_cached_tokens=self.tree_cache.host_total_size(),
+            admission_stall=self.admission_watchdog.reason if self.waiting_queue else None,
         )

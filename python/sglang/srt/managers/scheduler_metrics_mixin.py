@@ -39,6 +39,18 @@ class SchedulerMetricsMixin:
         used = max(self.max_total_num_tokens - free, 0)
         return used, used / max(self.max_total_num_tokens, 1)
 
+    def admission_report(self) -> str:
+        """Why the first waiting request is not admitted (the admission watchdog's words)."""
+        req = self.waiting_queue[0]
+        sp = req.sampling_params
+        need = len(req.fill_ids()) + int(max(sp.max_new_tokens - len(req.output_ids), 0) * self.new_token_ratio)
+        return (f"first waiting request {req.rid!r} ({len(req.origin_input_ids)} prompt tokens, max_new_tokens "
+                f"{sp.max_new_tokens}) needs ~{need} KV tokens + a page; free {self.allocator.available_size()}, "
+                f"evictable {self.tree_cache.evictable_size()}, protected {self.tree_cache.protected_size()}, "
+                f"reserved for running {self._reserved_for_running()} of {self.max_total_num_tokens}; "
+                f"{len(self.running)} running, {len(self.waiting_queue)} waiting, "
+                f"{self.req_to_token_pool.available_size()} request slots free")
+
     def observe_batch(self, batch: ScheduleBatch) -> None:
         if batch.forward_mode.is_extend():
             # A mixed batch lists its decode requests last (one token each, fed their last output).

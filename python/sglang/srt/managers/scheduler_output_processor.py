@@ -19,6 +19,7 @@ import torch
 from sglang.srt.managers.io_struct import ReqOutput
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ScheduleBatch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+from sglang.srt.utils.common import upload
 
 
 @dataclass
@@ -141,7 +142,7 @@ def _start_hidden_copy(batch: ScheduleBatch, hidden_states: torch.Tensor):
         else:
             spans.append(None)
         off += e
-    rows = hidden_states[torch.tensor(idx, dtype=torch.int64).to(hidden_states.device, non_blocking=True)]
+    rows = hidden_states[upload(torch.tensor(idx, dtype=torch.int64), hidden_states.device)]
     return rows.float().to("cpu", non_blocking=True), spans
 
 

@@ -96,13 +96,16 @@ class SchedulerProcess:
         while not stop():
             outputs = []
             copying = cache.has_pending_events()  # HiCache copies to acknowledge: poll for them
-            msgs = self.recv_requests(block=not self.scheduler.has_work(),
-                                      timeout_ms=EVENT_POLL_MS if copying else IDLE_POLL_MS)
+            busy = self.scheduler.has_work()
+            # Work that made no progress last time (requests waiting for KV, transfers): wait briefly
+            # on the socket instead of spinning a core.
+            msgs = self.recv_requests(block=not busy or not self.scheduler.last_step_progressed,
+                                      timeout_ms=EVENT_POLL_MS if copying or busy else IDLE_POLL_MS)
             if any(isinstance(m, Shutdown) for m in msgs):
                 return  # the server stopped taking requests and aborted those in flight first
             for msg in msgs:
                 outputs += self.process(msg)
-            if self.scheduler.has_work():
+            if self.scheduler.has_work():  # (a message may have brought work)
                 outputs += self.scheduler.step()
             elif copying:
                 cache.check_events()  # a backup that ended after the last step commits now, not at the next request
@@ -132,6 +135,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
             "max_running_requests": scheduler.max_running_requests,
             "context_len": scheduler.context_len,
             "page_size": scheduler.page_size,
+            "tokens_per_step": scheduler.tp_worker.num_tokens_per_req,
             "vocab_size": scheduler.vocab_size,
         })
     except Exception as e:  # start-up failure: tell the launcher why, then exit non-zero

@@ -188,7 +188,8 @@ class TokenizerManager:
     def check_length(self, n_input: int, max_new_tokens: int | None, at_least: bool = False) -> None:
         """The context and KV-cache limits; `at_least`: n_input is only a lower bound (pre-check)."""
         err = request_length_error(n_input, max_new_tokens, self.context_len, self.max_total_num_tokens,
-                                   self.scheduler_info["page_size"], at_least)
+                                   self.scheduler_info["page_size"], at_least,
+                                   self.scheduler_info.get("tokens_per_step", 1))
         if err is not None:
             raise RequestError(err.message, param=err.param, code=err.code)
 

@@ -36,13 +36,15 @@ class TpModelWorker:
 
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig,
                  tp_group: GroupCoordinator = SINGLE_GROUP, extra_kv_bytes_per_token: int = 0,
-                 graph_specs: tuple | None = None) -> None:
+                 graph_specs: tuple | None = None, extra_weight_bytes: int = 0, extra_reserve_bytes: int = 0) -> None:
         """`extra_kv_bytes_per_token`: KV of runners that will share this worker's request slots (a
-        draft model), so one memory plan covers them all. `graph_specs`: the forwards captured in
-        CUDA graphs (default: decode)."""
+        draft model), so one memory plan covers them all; `extra_weight_bytes` / `extra_reserve_bytes`:
+        their weights and CUDA graphs, built after the plan. `graph_specs`: the forwards captured
+        in CUDA graphs (default: decode)."""
         self.server_args = server_args
         self.model_runner = ModelRunner(model_config, server_args, tp_group,
-                                        extra_kv_bytes_per_token=extra_kv_bytes_per_token, graph_specs=graph_specs)
+                                        extra_kv_bytes_per_token=extra_kv_bytes_per_token, graph_specs=graph_specs,
+                                        extra_weight_bytes=extra_weight_bytes, extra_reserve_bytes=extra_reserve_bytes)
         mr = self.model_runner
         self.device = server_args.device
         self.world_group = mr.world_group

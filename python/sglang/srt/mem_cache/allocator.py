@@ -20,6 +20,11 @@ class KVAllocatorError(RuntimeError):
 
 
 class PagedTokenToKVPoolAllocator:
+    """KV slots by whole pages. Every slot tensor it returns is on the host (int64): the scheduler's
+    bookkeeping reads slots every step (req_to_token's host mirror, the prefix cache, frees), and the
+    step's one pinned upload (ForwardBatch.build) carries them to the device -- a device result
+    would cost an upload here and a read-back sync there."""
+
     def __init__(self, size: int, page_size: int, device: str = "cpu") -> None:
         if size % page_size:
             raise ValueError(f"KV pool size {size} must be a multiple of page_size {page_size}")
@@ -65,7 +70,7 @@ class PagedTokenToKVPoolAllocator:
         if pages is None:
             return None
         slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
-        return slots[:need_size].to(self.device)
+        return slots[:need_size]
 
     def alloc_extend(
         self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]
@@ -108,7 +113,7 @@ class PagedTokenToKVPoolAllocator:
                 covered = sum(len(x) for x in parts)
                 parts.append(new[: s - pl - covered])
             out.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64))
-        return torch.cat(out).to(self.device) if out else torch.empty(0, dtype=torch.int64, device=self.device)
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.int64)
 
     def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
         """One slot per request for position seq_len - 1 (seq_lens include the new token): the slot
@@ -125,7 +130,7 @@ class PagedTokenToKVPoolAllocator:
             return None
         it = iter(pages.tolist())
         out = [next(it) * p if f else last + 1 for f, last in zip(fresh, last_locs)]
-        return torch.tensor(out, dtype=torch.int64).to(self.device)
+        return torch.tensor(out, dtype=torch.int64)
 
 
 def TokenToKVPoolAllocator(size: int, device: str = "cpu") -> PagedTokenToKVPoolAllocator:
@@ -188,7 +193,7 @@ class CPPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         pages = self._take_owned(owners)
         if pages is None:
             return None
-        return (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1).to(self.device)
+        return (pages[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
 
     def free(self, indices: torch.Tensor) -> None:
         if indices is None or indices.numel() == 0:
@@ -226,4 +231,4 @@ class CPPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             return None
         it = iter(pages.tolist())
         out = [next(it) * p if f else last + 1 for f, last in zip(fresh, last_locs)]
-        return torch.tensor(out, dtype=torch.int64).to(self.device)
+        return torch.tensor(out, dtype=torch.int64)

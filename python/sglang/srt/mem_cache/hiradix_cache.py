@@ -549,7 +549,8 @@ def create_hiradix_cache(server_args, worker, req_to_token_pool, allocator, page
         else:
             from sglang.srt.mem_cache.storage.tier import create_storage_tier
 
-            controller.storage = create_storage_tier(sa, [h for _, h in pairs], getattr(worker, "tp_rank", 0))
+            controller.storage = create_storage_tier(sa, [h for _, h in pairs], getattr(worker, "tp_rank", 0),
+                                                     worker.model_runner.model_config)
     cache = HiRadixCache(req_to_token_pool, allocator, page_size, controller, HostPageAllocator(tokens, page_size),
                          sa.hicache_write_policy)
     launcher = getattr(worker, "launcher", None)

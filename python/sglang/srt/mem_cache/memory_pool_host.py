@@ -71,7 +71,11 @@ def plan_host_tokens(device_tokens: int, layouts: list[KVPoolLayout], ratio: flo
 
 class HostPageAllocator:
     """Host pages 0..num_pages-1, as token slots (page p = slots [p * P, (p + 1) * P)). Double and
-    out-of-range frees raise: a host page shared by two nodes would corrupt a reload."""
+    out-of-range frees raise: a host page shared by two nodes would corrupt a reload.
+
+    Allocations take the lowest free pages (the free list is re-sorted after frees), so a backup's
+    host pages form long runs of consecutive pages: each run is one host<->device copy per layer
+    (mem_cache/hicache_io.py), where pages in free order would cost one copy per page."""
 
     def __init__(self, size: int, page_size: int) -> None:
         if size % page_size:
@@ -81,6 +85,7 @@ class HostPageAllocator:
 
     def clear(self) -> None:
         self.free_pages = list(range(self.num_pages))
+        self._sorted = True
         self._is_free = [True] * self.num_pages
         # CP owner of the device page each host page was backed up from: a load-back takes device
         # pages of the same owners, so every rank reloads exactly the pages it backed up.
@@ -102,6 +107,9 @@ class HostPageAllocator:
         n = need_size // self.page_size
         if n > len(self.free_pages):
             return None
+        if not self._sorted:  # timsort merges the sorted runs that frees appended: about linear
+            self.free_pages.sort()
+            self._sorted = True
         pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
         for p in pages:
             self._is_free[p] = False
@@ -121,6 +129,7 @@ class HostPageAllocator:
         for p in pages:
             self._is_free[p] = True
         self.free_pages.extend(pages)
+        self._sorted = False
 
 
 class HostKVPool:

@@ -131,6 +131,8 @@ def cuda_graph_decision(server_args, attn_backend, model: torch.nn.Module,
 class GraphBackend:
     """CUDA graphs: capture `fn` once, replay it on the same buffers."""
 
+    warmup_runs = 2  # before a capture: compile kernels, settle the allocator
+
     def __init__(self) -> None:
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -146,13 +148,20 @@ class GraphBackend:
 
 class EagerGraphBackend(GraphBackend):
     """The CPU stand-in: replay re-runs the function and writes into the captured outputs, which is
-    what a graph replay does to its static output tensors."""
+    what a graph replay does to its static output tensors. Its capture fails where a CUDA capture
+    would (testing/sync_guard.capture_guard: host syncs, pinned allocations, tensors built from host
+    data), so a capture that CUDA rejects is found on CPU first."""
+
+    warmup_runs = 0  # nothing compiles or allocates differently on a second eager run
 
     def __init__(self) -> None:
         self.pool = None
 
     def capture(self, fn):
-        return None, fn()
+        from sglang.srt.testing.sync_guard import capture_guard
+
+        with capture_guard():
+            return None, fn()
 
     def replay(self, graph, fn, out: LogitsProcessorOutput) -> None:
         new = fn()
@@ -268,7 +277,7 @@ class CudaGraphRunner:
         this call."""
         fb = self._static_batch(spec, bs)
         self.model_runner.attn_backend.init_forward_metadata_capture_cuda_graph(fb)
-        for _ in range(2):  # warm up: compile kernels, settle the allocator
+        for _ in range(self.graph_backend.warmup_runs):
             self._run(fb)
         key = (spec, bs)
         self.graphs[key], self.outputs[key] = self.graph_backend.capture(lambda: self._run(fb))

@@ -3,13 +3,19 @@ runs one forward.
 
 Memory is planned once for everything that holds KV: a runner either plans it (the target: its own
 bytes per token plus `extra_kv_bytes_per_token` of runners that will share its request slots, e.g. a
-draft model) and creates the `ReqToTokenPool` + allocator, or receives them (a draft runner, with
-the planned `max_total_num_tokens`) and sizes only its own KV pool to match."""
+draft model, whose weights and CUDA graphs -- loaded after the plan -- are `extra_weight_bytes` /
+`extra_reserve_bytes`) and creates the `ReqToTokenPool` + allocator, or receives them (a draft
+runner, with the planned `max_total_num_tokens`) and sizes only its own KV pool to match. On a GPU
+the plan is model_executor/memory_plan.py's: weights as loaded, a reserve for the largest step's
+activations and the CUDA graphs, the KV pool takes the rest."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import importlib
 import logging
+from typing import Callable
 
 import psutil
 import torch
@@ -24,6 +30,17 @@ from sglang.srt.layers.sampler import Sampler
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, NSATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.memory_plan import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    GraphNeeds,
+    MemoryPlan,
+    MemoryPlanError,
+    ModelShape,
+    cuda_graph_bytes,
+    estimate_forward_bytes,
+    max_step_tokens,
+    plan_memory,
+)
 from sglang.srt.model_loader.loader import get_model
 from sglang.srt.server_args import ServerArgs
 
@@ -54,11 +71,20 @@ def kv_bytes_per_token(model_config: ModelConfig, server_args: ServerArgs) -> in
     return make_kv_pool(model_config, server_args, server_args.page_size).kv_bytes_per_token()
 
 
+def _device_allocated(device: str) -> int:
+    """Bytes the caching allocator holds in tensors on `device` (0 on CPU: nothing to plan there)."""
+    if torch.device(device).type != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, server_args: ServerArgs,
                  tp_group: GroupCoordinator = SINGLE_GROUP, *, req_to_token_pool: ReqToTokenPool | None = None,
                  token_to_kv_pool_allocator=None, max_total_num_tokens: int | None = None,
-                 extra_kv_bytes_per_token: int = 0, graph_specs: tuple | None = None) -> None:
+                 extra_kv_bytes_per_token: int = 0, graph_specs: tuple | None = None,
+                 extra_weight_bytes: int = 0, extra_reserve_bytes: int = 0) -> None:
         """`tp_group`: all ranks of this server. Under context parallel (CP) attention runs CP over
         them with replicated weights, so the model's TP group is a single rank. `graph_specs`: the
         forwards to capture in CUDA graphs (default: decode)."""
@@ -70,6 +96,9 @@ class ModelRunner:
         self.page_size = sa.page_size
         # process-wide kernel choice (layers/batch_invariant.py): set from every runner, on or off
         set_deterministic_inference(sa.enable_deterministic_inference)
+        self.graph_specs = graph_specs
+        self.memory_plan: MemoryPlan | None = None
+        loaded_before = _device_allocated(self.device)
         parallel = {}
         if sa.ep_size > 1:
             parallel = dict(ep_group=tp_group, moe_dispatch=("local" if self.cp_group is None else
@@ -77,9 +106,10 @@ class ModelRunner:
                                                              "all_to_all"))
         self.model = get_model(model_config, self.device, self.tp_group, sa.load_format, **parallel)
         set_moe_runner_backend(self.model, sa.moe_runner_backend)
+        self.weight_bytes = _device_allocated(self.device) - loaded_before  # as loaded: any dtype
         self.sampler = Sampler()
         self.init_memory_pool(req_to_token_pool, token_to_kv_pool_allocator, max_total_num_tokens,
-                              extra_kv_bytes_per_token)
+                              extra_kv_bytes_per_token, extra_weight_bytes, extra_reserve_bytes)
         self.attn_backend = create_hybrid_backend(sa.nsa_prefill_backend, sa.nsa_decode_backend, self)
         if self.cp_group is not None:
             from sglang.srt.layers.attention.nsa.cp_backend import CommCounter, NSAContextParallelBackend
@@ -106,19 +136,122 @@ class ModelRunner:
     def _bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.model_config, self.server_args)
 
-    def profile_max_num_tokens(self, extra_bytes_per_token: int = 0) -> int:
+    def profile_max_num_tokens(self, extra_bytes_per_token: int = 0, extra_weight_bytes: int = 0,
+                               extra_reserve_bytes: int = 0) -> int:
+        """KV tokens of this rank's pool. GPU: the memory plan (self.memory_plan); CPU: a fixed
+        byte budget (CPU_KV_BUDGET_BYTES, capped by free RAM)."""
         per_token = self._bytes_per_token() + extra_bytes_per_token
         if self.device == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            budget = free - total * (1 - self.server_args.mem_fraction_static)
-            if budget <= 0:
-                raise RuntimeError("not enough GPU memory left for the KV cache; raise --mem-fraction-static")
-            return int(budget // per_token)
+            self.memory_plan = self.plan_device_memory(per_token, extra_weight_bytes, extra_reserve_bytes)
+            logger.info(self.memory_plan.describe())
+            return self.memory_plan.kv_tokens
         budget = min(psutil.virtual_memory().available * CPU_KV_MEMORY_FRACTION, CPU_KV_BUDGET_BYTES)
         return int(budget // per_token)
 
+    def _plan_on_every_rank(self, make: Callable[[], MemoryPlan]) -> MemoryPlan:
+        """`make()`, failing on every rank when it fails on one: the profile forward that follows
+        runs collectives, where the other ranks would wait for the failed one until --dist-timeout."""
+        try:
+            made, error = make(), None
+        except MemoryPlanError as e:
+            made, error = None, e
+        if not self.world_group.is_single:
+            ok = self.world_group.all_reduce_host(torch.tensor([0 if error else 1], dtype=torch.int64), "min")
+            if error is None and not int(ok.item()):
+                error = MemoryPlanError("the memory plan of another rank does not fit (its log names the flags to "
+                                        "change): lower --chunked-prefill-size / --max-prefill-tokens or "
+                                        "--cuda-graph-max-bs, or free that GPU")
+        if error is not None:
+            raise error
+        return made
+
+    def _agree_on_capacity(self, tokens: int) -> int:
+        """The least KV capacity of all ranks: each rank schedules the same batches on its own
+        allocator, so they must all hold the same tokens (free memory differs a little per rank)."""
+        if self.world_group.is_single:
+            return tokens
+        least = int(self.world_group.all_reduce_host(torch.tensor([tokens], dtype=torch.int64), "min").item())
+        if self.memory_plan is not None and least != tokens:
+            cp = self.cp_group.world_size if self.cp_group is not None else 1  # the plan counts one rank's tokens
+            self.memory_plan = dataclasses.replace(self.memory_plan, kv_tokens=least // cp)
+            logger.info("KV capacity %d tokens: the least of the %d ranks (this one could hold %d)", least,
+                        self.world_group.world_size, tokens)
+        return least
+
+    # -- the GPU memory plan (memory_plan.py) ------------------------------------------------------
+    def _model_shape(self) -> ModelShape:
+        sa = self.server_args
+        return ModelShape.from_model_config(self.model_config, sa.tp_size, sa.ep_size,
+                                            attn_tp_size=self.tp_group.world_size)
+
+    def _planned_graph_bytes(self, shape: ModelShape, max_running: int) -> int:
+        """The CUDA graphs' pool, when graphs will be captured (cuda_graph_decision's conditions
+        that are known before the attention backend exists)."""
+        from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+        from sglang.srt.layers.moe.moe_registry import get_moe_runner
+        from sglang.srt.model_executor.cuda_graph_runner import DECODE_SPEC
+
+        sa = self.server_args
+        module, cls = ATTENTION_BACKENDS[sa.nsa_decode_backend].split(":")
+        if (sa.disable_cuda_graph or self.cp_group is not None
+                or not getattr(importlib.import_module(module), cls).supports_cuda_graph
+                or not get_moe_runner(sa.moe_runner_backend).supports_cuda_graph):
+            return 0
+        specs = self.graph_specs or (DECODE_SPEC,)
+        needs = tuple(GraphNeeds(s.tokens_per_req, s.batch_scale, "hidden_states" in s.extra_outputs,
+                                 "topk_indices" in s.extra_outputs) for s in specs)
+        return cuda_graph_bytes(shape, self.model_config.context_len, min(sa.cuda_graph_max_bs, max_running), needs)
+
+    def plan_device_memory(self, kv_bytes_per_token: int, extra_weight_bytes: int = 0,
+                           extra_reserve_bytes: int = 0) -> MemoryPlan:
+        """The plan from the device's own numbers: free memory after the weights (the allocator's
+        cache emptied first: loading leaves temporaries reserved), the activations of the largest
+        step (max of the arithmetic and, outside CP, a profile forward), the graphs."""
+        from sglang.srt.layers.attention.nsa.triton_backend import CUDA_SCORE_BUDGET_MAX
+
+        sa, mc = self.server_args, self.model_config
+        cp = self.cp_group.world_size if self.cp_group is not None else 1
+        ctx = mc.context_len
+        max_running = sa.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        step = max_step_tokens(sa, ctx)
+        shape = self._model_shape()
+        est = estimate_forward_bytes(shape, step, ctx, min(max_running, step), score_budget=CUDA_SCORE_BUDGET_MAX)
+        graphs = self._planned_graph_bytes(shape, max_running) + extra_reserve_bytes
+        req_to_token = (max_running + 2) * (ctx + 1) * 4
+
+        def plan(activations: int) -> MemoryPlan:
+            gc.collect()
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            return plan_memory(total_bytes=total, free_bytes=free - extra_weight_bytes,
+                               weight_bytes=self.weight_bytes + extra_weight_bytes,
+                               kv_bytes_per_token=kv_bytes_per_token, activation_bytes=activations,
+                               graph_bytes=graphs, req_to_token_bytes=req_to_token, step_tokens=step,
+                               page_size=self.page_size, mem_fraction_static=sa.mem_fraction_static,
+                               max_total_tokens=sa.max_total_tokens // cp if sa.max_total_tokens else None)
+
+        first = self._plan_on_every_rank(lambda: plan(est.peak))  # fails before a profile that could not fit
+        logger.info("activations of a %d-token step (KV width %d), from the config: %.2f GiB (peak in %s)",
+                    step, ctx, est.peak / 2**30, est.peak_phase)
+        if self.cp_group is not None:
+            return first
+        from sglang.srt.model_executor.memory_profile import profile_step_peak
+
+        try:
+            measured = profile_step_peak(self, step, ctx)
+        except torch.OutOfMemoryError:
+            raise MemoryPlanError(f"the profile forward of the largest step ({step} tokens) ran out of GPU memory "
+                                  f"beside {self.weight_bytes / 2**30:.2f} GiB of weights: lower "
+                                  "--chunked-prefill-size / --max-prefill-tokens (or turn chunked prefill on), or "
+                                  "load fewer weights") from None
+        logger.info("activations of a %d-token step, measured by a profile forward: %.2f GiB", step,
+                    measured / 2**30)
+        self.profiled_activation_bytes = measured
+        return self._plan_on_every_rank(lambda: plan(max(est.peak, measured)))  # on every rank: a collective
+
     def init_memory_pool(self, req_to_token_pool: ReqToTokenPool | None = None, token_to_kv_pool_allocator=None,
-                         max_total_num_tokens: int | None = None, extra_kv_bytes_per_token: int = 0) -> None:
+                         max_total_num_tokens: int | None = None, extra_kv_bytes_per_token: int = 0,
+                         extra_weight_bytes: int = 0, extra_reserve_bytes: int = 0) -> None:
         sa, mc = self.server_args, self.model_config
         cp = self.cp_group.world_size if self.cp_group is not None else 1
         if req_to_token_pool is not None:  # a runner sharing another runner's slots (a draft)
@@ -131,8 +264,12 @@ class ModelRunner:
             self.token_to_kv_pool = self._make_kv_pool(max_total_num_tokens // cp)
             return
         # Under CP the capacity is logical (the server's): each rank stores 1/cp of the pages.
-        tokens = sa.max_total_tokens or self.profile_max_num_tokens(extra_kv_bytes_per_token) * cp
-        tokens = tokens // (self.page_size * cp) * self.page_size * cp
+        if self.device == "cuda":  # the plan checks an explicit --max-total-tokens too
+            tokens = self.profile_max_num_tokens(extra_kv_bytes_per_token, extra_weight_bytes,
+                                                 extra_reserve_bytes) * cp
+        else:
+            tokens = sa.max_total_tokens or self.profile_max_num_tokens(extra_kv_bytes_per_token) * cp
+        tokens = self._agree_on_capacity(tokens // (self.page_size * cp) * self.page_size * cp)
         if tokens < self.page_size * cp:
             raise RuntimeError(f"KV cache too small: {tokens} tokens")
         self.max_total_num_tokens = tokens

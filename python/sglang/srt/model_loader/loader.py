@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import time
 
@@ -31,18 +32,63 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+# Elements drawn per call: bounds the temporaries of dtypes torch cannot draw into (FP8 goes
+# through a float32 chunk); the dtypes it can draw into are filled in place, with no temporary.
+DUMMY_CHUNK_ELEMS = 1 << 24
+_DRAWABLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    """A parameter's own seed: its values depend on (seed, name) only, not on which other
+    parameters exist or how big they are (a --json-model-override-args n_routed_experts change
+    leaves the attention weights as they were)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+def fill_normal_(t: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """t ~ N(0, std), in place in t's dtype, DUMMY_CHUNK_ELEMS at a time along dim 0."""
+    rows = max(1, DUMMY_CHUNK_ELEMS // max(1, t[0].numel() if t.dim() else 1))
+    for i in range(0, t.shape[0], rows):
+        part = t[i : i + rows]
+        if t.dtype in _DRAWABLE:
+            part.normal_(0.0, std, generator=generator)
+        else:  # e.g. float8_e4m3fn: draw a float32 chunk, round into the parameter
+            part.copy_(torch.empty(part.shape, dtype=torch.float32, device=t.device).normal_(0.0, std,
+                                                                                             generator=generator))
+
+
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights for --load-format dummy: N(0, std) matrices, unit norm scales, zero biases."""
+    """Random weights for --load-format dummy: N(0, std) matrices, unit norm and quantisation
+    scales, zero biases; integer (packed) tensors zero. std 0.02 keeps real-shape activations in
+    range (a 7168-wide hidden state times N(0, 0.02) weights stays O(1) per layer).
+
+    Each matrix is drawn in its own dtype, in place (fill_normal_): a float32 draw of a 15 GB
+    bf16 expert tensor plus its cast took 30 + 15 GB of temporaries, which the caching
+    allocator then kept. Deterministic per (seed, parameter name) on a given device type."""
     gens: dict[str, torch.Generator] = {}
     for name, p in model.named_parameters():
-        if p.dim() >= 2:
-            g = gens.setdefault(str(p.device), torch.Generator(device=p.device).manual_seed(seed))
-            p.copy_(torch.randn(p.shape, generator=g, device=p.device).mul_(std).to(p.dtype))
-        elif name.endswith("bias") or "e_score_correction_bias" in name:
+        leaf = name.rsplit(".", 1)[-1]
+        if not p.dtype.is_floating_point:
+            p.zero_()
+        elif p.dim() >= 2 and "scale" not in leaf:
+            g = gens.setdefault(str(p.device), torch.Generator(device=p.device))
+            fill_normal_(p, std, g.manual_seed(_param_seed(seed, name)))
+        elif leaf == "bias" or leaf.endswith("_bias"):
             p.zero_()
         else:
             p.fill_(1.0)
+
+
+def model_weight_bytes(model_config: ModelConfig, tp_group: GroupCoordinator = SINGLE_GROUP,
+                       **parallel: object) -> int:
+    """Bytes the model's parameters and buffers will take on the device, from an instance on the
+    meta device (nothing allocated): the plan's figure for a model loaded after it (a draft)."""
+    cls = resolve_model_class(model_config.architecture)
+    with default_dtype(model_config.dtype), torch.device("meta"):
+        model = cls(model_config.hf_config, max_position=model_config.context_len, tp_group=tp_group, **parallel)
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def get_model(model_config: ModelConfig, device: str = "cpu", tp_group: GroupCoordinator = SINGLE_GROUP,

@@ -31,15 +31,9 @@ from typing import Any, Callable
 import torch
 
 from sglang.srt.sampling.sampling_params import SAMPLING_EPS, SamplingParams
+from sglang.srt.utils.common import upload
 
 _MASK64 = (1 << 64) - 1
-
-
-def _upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """One host->device copy: pinned and non_blocking on CUDA (a no-op on CPU)."""
-    if torch.device(device).type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _splitmix64(x: int) -> int:
@@ -164,7 +158,7 @@ class SamplingBatchInfo:
         # The per-row tensors every step needs, uploaded in one pinned non_blocking copy: a pageable
         # upload per tensor would wait for the device queue and undo the overlap scheduler's work.
         # (top_k <= vocab size < 2^24 is exact in fp32.)
-        packed = _upload(torch.tensor([temps, top_ps, min_ps, [float(k) for k in top_ks],
+        packed = upload(torch.tensor([temps, top_ps, min_ps, [float(k) for k in top_ks],
                                        [float(g) for g in greedy]], dtype=torch.float32).reshape(5, bs), device)
         info = cls(
             vocab_size=vocab_size,

@@ -59,9 +59,11 @@ from sglang.srt.managers.scheduler_output_processor import (
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.model_executor.cuda_graph_runner import GraphSpec, StaticInput
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.memory_plan import draft_memory_needs
 from sglang.srt.model_executor.model_runner import ModelRunner, kv_bytes_per_token
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.utils.common import upload
 
 
 def draft_model_config(server_args: ServerArgs) -> ModelConfig:
@@ -109,9 +111,14 @@ class EAGLEWorker:
         self.draft_config = draft_model_config(sa)
         # The target's decode steps are all verifies (or one-row steps with hidden capture): its
         # graphs are the verify spec's.
+        # The draft is built after the target planned the memory they share: its weights and
+        # graphs are in the target's plan.
+        draft_weights, draft_graphs = (draft_memory_needs(self.draft_config, sa, tp_group) if sa.device == "cuda"
+                                       else (0, 0))
         self.target = TpModelWorker(sa, model_config, tp_group,
                                     extra_kv_bytes_per_token=kv_bytes_per_token(self.draft_config, sa),
-                                    graph_specs=(target_verify_spec(model_config, self.num_tokens_per_req),))
+                                    graph_specs=(target_verify_spec(model_config, self.num_tokens_per_req),),
+                                    extra_weight_bytes=draft_weights, extra_reserve_bytes=draft_graphs)
         t = self.target.model_runner
         # The draft's decode steps replay CUDA graphs of their own spec (hidden states in and out).
         self.draft_runner = ModelRunner(self.draft_config, sa, tp_group,
@@ -256,7 +263,7 @@ class EAGLEWorker:
         (one row per token over the request's slot); nothing is read back until `to_host`."""
         reqs, n, b = batch.reqs, self.num_tokens_per_req, len(batch.reqs)
         dev = self.device
-        slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
+        slots = upload(torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64), dev)
         r2t = self.req_to_token_pool
         r2t.flush_writes()  # this step's rows, before the device gathers them
         base = self.kv_len[slots]  # [b] committed KV length c: row j sits at position c + j
@@ -316,10 +323,11 @@ class EAGLEWorker:
         lo = self.target.model_runner.forward(fb)
         sample, picks, accepted = self._sample_verify(reqs, lo.full_logits, drafts, slots)
         acc = accepted.tolist()  # the next draft extend's shape depends on it
-        keep = torch.tensor([i * n + j for i, a in enumerate(acc) for j in range(a + 1)], device=self.device)
+        keep_host = torch.tensor([i * n + j for i, a in enumerate(acc) for j in range(a + 1)], dtype=torch.int64)
+        keep = upload(keep_host, self.device)
         topk = lo.topk_indices[keep] if lo.topk_indices is not None else None
         self._draft_extend(reqs, batch.prefix_lens, [a + 1 for a in acc], picks.reshape(-1)[keep],
-                           lo.hidden_states[keep], topk, batch.out_cache_loc[keep])
+                           lo.hidden_states[keep], topk, batch.out_cache_loc[keep_host])  # KV slots: host
         self.kv_len[slots] = torch.tensor(batch.prefix_lens, device=self.device) + accepted + 1
         return SpecDecodeOutput(self, batch, n, picks, accepted, sample).to_host()
 

@@ -79,6 +79,7 @@ class InProcessServer(ServerClient):
         s = self.scheduler
         info = {"max_total_num_tokens": s.max_total_num_tokens, "max_running_requests": s.max_running_requests,
                 "context_len": s.context_len, "page_size": s.page_size, "vocab_size": s.vocab_size,
+                "tokens_per_step": s.tp_worker.num_tokens_per_req,
                 "architecture": s.model_config.architecture}
         self._tm = tm = TokenizerManager(sa, port_args, info)  # its asyncio sockets belong to this thread's loop
         app = create_app(tm, sa, version=__version__)

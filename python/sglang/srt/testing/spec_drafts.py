@@ -33,3 +33,57 @@ def forced_drafts(targets: dict[tuple[int, ...], list[int]], mode: str, vocab: i
         return torch.tensor(rows)
 
     return override
+
+
+# -- outputs equal "within the numerics" (the default mode on a GPU) ------------------------------------
+# A verify row is plain decoding's row computed in another batch shape (b * n rows instead of b), and
+# GPU GEMM libraries pick kernels by shape, so its logits differ from plain's by the same mechanism as
+# a prompt decoded alone vs in a batch. The bound is that mechanism measured in the same run (plain
+# alone vs plain batched: `batch_shape_noise`) times SAFETY, never below FLOOR_NATS; a logic bug (a
+# wrong KV row, position or mask) moves logprobs by far more.
+SAFETY = 4.0
+FLOOR_NATS = 2.0 ** -10
+
+
+def _token_logprobs(o: dict) -> list[float]:
+    return [t[0] for t in o["meta_info"]["output_token_logprobs"]]
+
+
+def batch_shape_noise(alone: list[dict], batched: list[dict]) -> float:
+    """Largest |logprob difference| of the same greedy tokens decoded alone vs in a batch (up to the
+    first token where they part)."""
+    worst = 0.0
+    for a, b in zip(alone, batched):
+        for ta, tb, la, lb in zip(a["output_ids"], b["output_ids"], _token_logprobs(a), _token_logprobs(b)):
+            worst = max(worst, abs(la - lb))
+            if ta != tb:
+                break
+    return worst
+
+
+def verify_tolerance(noise: float) -> float:
+    return max(SAFETY * noise, FLOOR_NATS)
+
+
+def within_tolerance_violation(ref: list[dict], got: list[dict], tol: float) -> str | None:
+    """None when every output of `got` equals plain's `ref` within `tol`, else what breaks it. Both
+    ran with return_logprob and top_logprobs_num >= 2. Up to the first differing token, each token's
+    logprob is within `tol` of plain's; the first differing token must be plain's second choice at a
+    position where plain's top-2 logprob gap is at most 2 * tol (each side may move by tol)."""
+    for i, (r, g) in enumerate(zip(ref, got)):
+        rl, gl = _token_logprobs(r), _token_logprobs(g)
+        for j, (rt, gt) in enumerate(zip(r["output_ids"], g["output_ids"])):
+            if rt == gt:
+                if abs(rl[j] - gl[j]) > tol:
+                    return f"request {i} token {j}: logprob {gl[j]:.6f} vs plain {rl[j]:.6f} (tolerance {tol:.2e})"
+                continue
+            top = r["meta_info"]["output_top_logprobs"][j]
+            (lp1, id1), (lp2, id2) = top[0][:2], top[1][:2]
+            if gt != id2 or lp1 - lp2 > 2 * tol:
+                return (f"request {i} parts from plain at token {j}: {gt} where plain's top-2 are {id1} ({lp1:.6f}), "
+                        f"{id2} ({lp2:.6f}); a numerics flip needs the second and a gap <= {2 * tol:.2e}")
+            break
+        else:
+            if len(r["output_ids"]) != len(g["output_ids"]):
+                return f"request {i}: {len(g['output_ids'])} tokens vs plain's {len(r['output_ids'])}"
+    return None

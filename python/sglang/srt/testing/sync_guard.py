@@ -1,4 +1,5 @@
-"""A guard that fails on device->host reads made by our code inside a region (the forward).
+"""Guards that fail on device->host reads made by our code inside a region (the forward), and on
+what a CUDA-graph capture cannot hold (`capture_guard`).
 
 On a GPU, `torch.cuda.set_sync_debug_mode("error")` catches every synchronising call. On CPU
 there is no device, so the guard patches the Python entry points that read tensor values back
@@ -79,3 +80,41 @@ def no_host_sync() -> Iterator[None]:
             setattr(torch.Tensor, n, f)
         for n, f in saved_f.items():
             setattr(torch, n, f)
+
+
+# What a CUDA graph cannot capture besides a sync: pinned host memory allocated inside the capture
+# (cudaHostAlloc is illegal while a stream captures) and a tensor built from host data (an upload
+# from pageable memory is illegal; were it legal, the graph would replay the captured value forever).
+_PIN_FACTORIES = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like")
+_HOST_DATA = ("tensor", "as_tensor", "from_numpy")
+
+
+def _wrap_capture(name: str, original, pinned_only: bool):
+    def guarded(*args, **kwargs):
+        caller = sys._getframe(1)
+        if _ours(caller) and (not pinned_only or kwargs.get("pin_memory")):
+            where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+            what = "allocates pinned host memory" if pinned_only or name == "pin_memory" else "builds a tensor from host data"
+            raise HostSyncError(f"torch.{name} {what} inside a CUDA-graph capture ({where})")
+        return original(*args, **kwargs)
+
+    return guarded
+
+
+@contextlib.contextmanager
+def capture_guard() -> Iterator[None]:
+    """Inside: what a real capture would reject fails here too, on CPU -- a host sync (as in
+    `no_host_sync`), pinned allocation, a tensor built from host data. The CPU stand-in of a CUDA
+    graph (`EagerGraphBackend`) captures under it."""
+    patched = {n: (torch, getattr(torch, n), _wrap_capture(n, getattr(torch, n), True)) for n in _PIN_FACTORIES}
+    patched |= {n: (torch, getattr(torch, n), _wrap_capture(n, getattr(torch, n), False)) for n in _HOST_DATA}
+    patched["pin_memory"] = (torch.Tensor, torch.Tensor.pin_memory,
+                             _wrap_capture("pin_memory", torch.Tensor.pin_memory, False))
+    with no_host_sync():
+        try:
+            for n, (owner, _, new) in patched.items():
+                setattr(owner, n, new)
+            yield
+        finally:
+            for n, (owner, old, _) in patched.items():
+                setattr(owner, n, old)

@@ -47,3 +47,14 @@ def configure_logger(level: str = "info", prefix: str = "") -> None:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """One host->device copy that never makes the host wait: from pinned memory, non_blocking, on
+    the current stream (whose later kernels are ordered after it). A pageable `.to(device)` waits
+    for the copy, i.e. for every kernel queued before it -- under overlap, the step in flight.
+    A no-op on CPU."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or host.device.type != "cpu":
+        return host.to(dev)
+    return host.pin_memory().to(dev, non_blocking=True)

@@ -39,6 +39,40 @@ def test_e2e_bench_smoke(tmp_path):
     assert (tmp_path / "e2e_deepseek-v32_3l_smoke.png").stat().st_size > 0
 
 
+
+def test_e2e_bench_experts_and_hf_experts_implementation(tmp_path):
+    """--experts overrides n_routed_experts on both sides, transformers runs the named experts
+    implementation and the JSON records what it resolved to; the engine prefills in chunks."""
+    _run([str(_ROOT / "benchmark/e2e/bench_e2e_vs_hf.py"), "--smoke", "--layers", "2", "--experts", "4",
+          "--hf-experts-implementation", "eager", "--sides", "ours,hf", "--out-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "e2e_deepseek-v32_2l_4e_smoke.json").read_text())
+    assert result["config_overrides"] == {"n_routed_experts": 4} and result["chunked_prefill_size"] == 32
+    assert result["hf_experts_implementation_requested"] == "eager"
+    assert result["hf"]["implementation"]["experts_implementation"] == "eager"
+    assert result["ours"]["prefill"]["64"]["tok_s"] > 0 and "prefill_64" in result["ratios"]
+
+
+def test_e2e_bench_bad_experts_fail_before_running():
+    proc = subprocess.run([sys.executable, str(_ROOT / "benchmark/e2e/bench_e2e_vs_hf.py"), "--experts", "12"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--experts 12" in proc.stderr and "--experts 16" in proc.stderr
+
+
+def test_memory_fit_smoke(tmp_path):
+    """benchmark/e2e/memory_fit.py (the memory plan's GPU check) on CPU: one config in its own
+    process, the load-alone step and every admitted-request case, JSON written."""
+    out = _run([str(_ROOT / "benchmark/e2e/memory_fit.py"), "--smoke", "--server-configs", "2x4",
+                "--out-dir", str(tmp_path)]).stdout
+    result = json.loads((tmp_path / "memory_fit_smoke.json").read_text())
+    cfg, srv = result["configs"]["2x4"], result["configs"]["server:2x4"]
+    assert cfg["load_alone"]["param_bytes"] > 0 and cfg["plan"] is None  # CPU: no device plan
+    names = {"max_prefill_one_prompt", "max_prefill_4_prompts", "long_prompt", "prompt_logprobs",
+             "decode_256_requests"}
+    assert set(cfg["cases"]) == set(srv["cases"]) == names
+    assert all(c["ok"] for r in (cfg, srv) for c in r["cases"].values())
+    assert cfg["cases"]["long_prompt"]["tokens"] == 96 and srv["cases"]["decode_256_requests"]["status"] == 200
+    assert "every config fits" in out
+
 def test_every_serving_kernel_compiles_for_sm90():
     """The interpreter never runs Triton's compiler: this builds each launch of the serving path at
     real V3.2 shapes for the H200 and checks shared memory, with no GPU."""

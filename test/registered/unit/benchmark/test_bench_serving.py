@@ -119,7 +119,7 @@ def stub():
     server = uvicorn.Server(config)
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
-    deadline = time.time() + 10
+    deadline = time.time() + 120  # a busy 2-core machine
     while not server.started:
         if time.time() > deadline or not th.is_alive():
             raise RuntimeError("stub server did not start")

@@ -26,6 +26,10 @@ from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo  # noqa: E
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
+# Waits on background compiles: generous, so a busy 2-core machine never times out a correct run;
+# a hung compile still fails the test instead of the suite.
+WAIT_S = 300
+
 EOS = 1
 PAD = 7  # model vocab = tokenizer vocab + PAD, as checkpoints pad the embedding
 
@@ -223,12 +227,18 @@ def test_exclude_raw_control_chars_touches_string_classes_only():
 
 def test_cache_compiles_once_and_copies_are_independent(tokenizer, vocab):
     b = XGrammarGrammarBackend(tokenizer, vocab, eos_token_ids=[EOS])
+    # The compile is held until both lookups are made: without the gate a busy machine may finish it
+    # between them (a cache hit, not the concurrent miss under test).
+    gate = threading.Event()
+    compile_ = b._init_value_dispatch
+    b._init_value_dispatch = lambda key: (gate.wait(), compile_(key))[1]
     try:
         key = ("regex", "(yes|no)-[0-9]")
         first, hit1 = b.get_cached_or_future_value(key)
         second, hit2 = b.get_cached_or_future_value(key)  # concurrent miss: same compile
-        assert not hit1 and not hit2
-        g1, g2 = first.result(30), second.result(30)
+        assert not hit1 and not hit2 and b.num_compiles == 1
+        gate.set()
+        g1, g2 = first.result(WAIT_S), second.result(WAIT_S)
         assert g1 is not g2 and g1.matcher is not g2.matcher
         g3, hit3 = b.get_cached_or_future_value(key)
         assert hit3 and b.num_compiles == 1
@@ -248,7 +258,7 @@ def test_compile_runs_off_the_caller_thread():
 
     class Slow(BaseGrammarBackend):
         def dispatch_regex(self, s):
-            gate.wait(10)
+            gate.wait(WAIT_S)
             raise ValueError("slow and bad")
 
     b = Slow()
@@ -256,7 +266,7 @@ def test_compile_runs_off_the_caller_thread():
         fut, hit = b.get_cached_or_future_value(("regex", "x"))
         assert not hit and not fut.done()  # returned while the compile is still blocked
         gate.set()
-        value = fut.result(10)
+        value = fut.result(WAIT_S)
         assert isinstance(value, InvalidGrammar) and "slow and bad" in value.error_message()
     finally:
         b.shutdown()
@@ -365,7 +375,7 @@ def test_tp_ranks_queue_cache_hits_so_admission_is_rank0s(tokenizer, vocab):
 
     backend = XGrammarGrammarBackend(tokenizer, vocab, eos_token_ids=[EOS])
     sp = SamplingParams(regex=r"(yes|no)")
-    backend.get_cached_or_future_value(("regex", sp.regex))[0].result(60)  # now a cache hit here
+    backend.get_cached_or_future_value(("regex", sp.regex))[0].result(WAIT_S)  # now a cache hit here
 
     def req(rid):
         return Req(rid, [1, 2, 3], sp)

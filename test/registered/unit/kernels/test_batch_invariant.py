@@ -38,6 +38,42 @@ def test_matmul_matches_torch_and_rows_are_invariant(dtype):
     assert matmul(x[:0], w.t()).shape == (0, n)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_matmul_matches_torch_and_rows_are_invariant(dtype):
+    """A long K over few output tiles (decode's kv_a / q_a shapes) splits K; the splits' partials
+    are summed in a fixed order, so rows stay byte-identical in any batch."""
+    from sgl_kernel.batch_invariant import matmul_config
+
+    g = torch.Generator().manual_seed(4)
+    k, n = 1000, 70
+    assert matmul_config(n, k, dtype, torch.device(DEVICE))["SPLIT_K"] > 1
+    x = torch.randn(20, k, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(n, k, generator=g).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE)
+    full = matmul(x, w.t(), b)
+    assert _rel(full, torch.nn.functional.linear(x.float(), w.float(), b.float())) < TOL[dtype]
+    for m in (1, 2, 7):
+        assert torch.equal(matmul(x[:m], w.t(), b), full[:m]), m
+    assert torch.equal(matmul(x[13:14], w.t(), b)[0], full[13])
+    a3 = x.view(2, 10, k)
+    w3 = torch.stack([w, w.flip(0)]).transpose(1, 2)
+    full3 = matmul(a3, w3)
+    assert _rel(full3, torch.bmm(a3.float(), w3.float())) < TOL[dtype]
+    assert torch.equal(matmul(a3[:, 4:5], w3), full3[:, 4:5])
+
+
+def test_split_k_is_a_function_of_the_weight_shape_only(monkeypatch):
+    import sgl_kernel.batch_invariant as bi
+    from sgl_kernel.batch_invariant import SPLIT_K_MAX, matmul_config
+
+    monkeypatch.setattr(bi, "_num_sms", lambda device: 132)  # an H100's SMs
+    dev = torch.device(DEVICE)
+    kv_a = matmul_config(576, 7168, torch.bfloat16, dev)["SPLIT_K"]
+    assert 1 < kv_a <= SPLIT_K_MAX and kv_a & (kv_a - 1) == 0
+    assert matmul_config(129280, 7168, torch.bfloat16, dev)["SPLIT_K"] == 1  # lm_head: tiles enough
+    assert matmul_config(576, 128, torch.bfloat16, dev)["SPLIT_K"] == 1  # short K: no split
+
+
 def test_bmm_matches_torch_and_is_invariant():
     g = torch.Generator().manual_seed(1)
     a = torch.randn(3, 20, 48, generator=g).to(DEVICE)

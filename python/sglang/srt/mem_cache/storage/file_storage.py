@@ -36,10 +36,12 @@ class HiCacheFile(HiCacheStorage):
     memory held by pending pages. Pending pages are readable (`batch_get` / `batch_exists`) before
     they reach the disk. `flush()` waits for the queue; `close()` flushes and stops the thread."""
 
-    def __init__(self, layout: KVPoolLayout, extra_config: dict | None = None, namespace: str = "") -> None:
-        super().__init__(layout, namespace)
+    def __init__(self, layout: KVPoolLayout, extra_config: dict | None = None, namespace: str = "",
+                 fingerprint: str = "") -> None:
+        super().__init__(layout, namespace, fingerprint)
         cfg = dict(extra_config or {})
         root = cfg.get("file_path") or os.environ.get(FILE_DIR_ENV) or DEFAULT_FILE_DIR
+        self.root = root
         self.dir = os.path.join(root, namespace) if namespace else root
         os.makedirs(self.dir, exist_ok=True)
         self.fsync = bool(cfg.get("fsync", False))  # off: a crash loses pages, never corrupts a load (CRC)
@@ -58,6 +60,14 @@ class HiCacheFile(HiCacheStorage):
 
     def _where(self, key: str) -> str:
         return self.path(key)
+
+    def namespaces_like(self, prefix: str) -> list[str]:
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return []
+        return sorted(n for n in names if n.startswith(prefix) and n != self.namespace
+                      and os.path.isdir(os.path.join(self.root, n)))
 
     # -- writes --------------------------------------------------------------------------------
     def _put(self, keys: list[str], values: Sequence[PageData]) -> list[bool]:

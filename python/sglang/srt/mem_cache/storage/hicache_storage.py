@@ -107,9 +107,10 @@ class PageCodec:
     """Encodes / decodes the page blob of one layout (sizes precomputed: all full blobs of a layout
     have the same length, `blob_size`, so backends can stage them in fixed slots)."""
 
-    def __init__(self, layout: KVPoolLayout) -> None:
+    def __init__(self, layout: KVPoolLayout, fingerprint: str = "") -> None:
         self.layout = layout
-        self.meta = layout_meta(layout)
+        # the KV fingerprint (storage/fingerprint.py) of the writer: a reader of another one refuses
+        self.meta = {**layout_meta(layout), **({"kv_fingerprint": fingerprint} if fingerprint else {})}
         self._meta_bytes = json.dumps(self.meta, sort_keys=True, separators=(",", ":")).encode()
         self.lengths = [layout.kv_bytes_per_page] * layout.layer_num + \
             [layout.index_k_bytes_per_page] * len(layout.index_layer_ids)
@@ -165,9 +166,10 @@ class PageCodec:
             return _miss(what, "unreadable layout header")
         if meta != self.meta:
             diff = {k: (meta.get(k), v) for k, v in self.meta.items() if meta.get(k) != v}
-            raise StorageLayoutError(f"{what} was written for another KV layout: stored vs this pool {diff}; "
-                                     "a store shared by servers of different models / dtypes / page sizes / "
-                                     "IndexCache schedules needs a separate directory or namespace")
+            raise StorageLayoutError(f"{what} was written for another KV layout or model: stored vs this pool "
+                                     f"{diff}; a store shared by servers of different models / checkpoints / "
+                                     "dtypes / page sizes / IndexCache schedules needs a separate directory or "
+                                     "namespace")
         if n != self.n_payloads:
             return _miss(what, f"{n} payloads, layout has {self.n_payloads}")
         if digest != hashlib.sha256(key.encode()).digest():
@@ -307,11 +309,11 @@ class HiCacheStorage(ABC):
     thread getting at the same time (upstream's backup and prefetch threads) is supported.
     """
 
-    def __init__(self, layout: KVPoolLayout, namespace: str = "") -> None:
+    def __init__(self, layout: KVPoolLayout, namespace: str = "", fingerprint: str = "") -> None:
         if namespace:
             _check_key(namespace, "namespace")  # becomes a directory / key prefix: see storage_namespace()
         self.layout = layout
-        self.codec = PageCodec(layout)
+        self.codec = PageCodec(layout, fingerprint)
         self.namespace = namespace
         self.stats = {"set": 0, "get_hit": 0, "get_miss": 0, "invalid": 0}
         self._stats_lock = threading.Lock()
@@ -389,6 +391,11 @@ class HiCacheStorage(ABC):
 
     def _where(self, key: str) -> str:
         return ""
+
+    def namespaces_like(self, prefix: str) -> list[str]:
+        """Other namespaces of this store starting with `prefix`, where the backend can list them
+        (the tier warns about pages of the same model under another fingerprint); [] if it cannot."""
+        return []
 
 
 def _check_key(key: str, what: str = "key") -> None:

@@ -81,8 +81,9 @@ def mooncake_config(extra_config: dict | None) -> dict:
 class MooncakeStore(HiCacheStorage):
     """Mooncake backend: synchronous puts and gets (Mooncake replicates and evicts on its side)."""
 
-    def __init__(self, layout: KVPoolLayout, extra_config: dict | None = None, namespace: str = "") -> None:
-        super().__init__(layout, namespace)
+    def __init__(self, layout: KVPoolLayout, extra_config: dict | None = None, namespace: str = "",
+                 fingerprint: str = "") -> None:
+        super().__init__(layout, namespace, fingerprint)
         store_cls = import_mooncake_store()
         self.config = mooncake_config(extra_config)
         c = self.config

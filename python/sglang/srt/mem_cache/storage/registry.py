@@ -27,7 +27,9 @@ STORAGE_BACKENDS: dict[str, tuple[str, str, frozenset[str]]] = {
 STORAGE_BACKEND_NAMES = list(STORAGE_BACKENDS)  # --hicache-storage-backend choices
 PREFETCH_POLICIES = ["best_effort", "wait_complete", "timeout"]  # --hicache-storage-prefetch-policy (upstream)
 # extra-config keys every backend accepts: the timeout policy's deadline (read by storage/tier.py)
-COMMON_EXTRA_KEYS = frozenset({"prefetch_timeout_base", "prefetch_timeout_per_ki_token"})
+# and `kv_fingerprint`: the weights' identity in the KV fingerprint (storage/fingerprint.py), for copies of
+# one checkpoint on several hosts sharing a store
+COMMON_EXTRA_KEYS = frozenset({"prefetch_timeout_base", "prefetch_timeout_per_ki_token", "kv_fingerprint"})
 
 
 class StorageConfigError(ValueError):
@@ -39,13 +41,15 @@ class StorageConfigError(ValueError):
 
 
 def create_storage_backend(name: str, layout: KVPoolLayout, extra_config: dict | None = None,
-                           namespace: str = "") -> "HiCacheStorage":
+                           namespace: str = "", fingerprint: str = "") -> "HiCacheStorage":
     """A HiCacheStorage for `--hicache-storage-backend name`. `namespace` separates servers that
-    share a store (model name, and the rank where ranks hold different pages)."""
+    share a store (model name, rank, KV fingerprint); `fingerprint` is written into every page and
+    checked on every read."""
     if name not in STORAGE_BACKENDS:
         raise ValueError(f"unknown HiCache storage backend {name!r}; choices: {STORAGE_BACKEND_NAMES}")
     module, cls, _ = STORAGE_BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)(layout, extra_config, namespace=namespace)
+    return getattr(importlib.import_module(module), cls)(layout, extra_config, namespace=namespace,
+                                                                       fingerprint=fingerprint)
 
 
 def parse_extra_config(text: str | dict | None) -> dict:
@@ -84,7 +88,9 @@ def validate_storage_args(backend: str | None, extra_config: str | dict | None, 
     if unknown:
         raise StorageConfigError("hicache_storage_backend_extra_config", f"unknown key(s) {unknown} for the "
                                  f"{backend} backend; known: {sorted(known)}")
-    for k in COMMON_EXTRA_KEYS & set(extra):
+    if "kv_fingerprint" in extra and not (isinstance(extra["kv_fingerprint"], str) and extra["kv_fingerprint"]):
+        raise StorageConfigError("hicache_storage_backend_extra_config", "kv_fingerprint must be a non-empty string")
+    for k in (COMMON_EXTRA_KEYS - {"kv_fingerprint"}) & set(extra):
         v = extra[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
             raise StorageConfigError("hicache_storage_backend_extra_config", f"{k} must be a number >= 0 (s)")

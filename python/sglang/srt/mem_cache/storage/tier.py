@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from sglang.srt.mem_cache.storage.fingerprint import config_identity, kv_fingerprint, weights_identity
 from sglang.srt.mem_cache.storage.hicache_storage import (
     HiCacheStorage,
     PagedKV,
     StorageLayoutError,
+    layout_meta,
     load_pool_pages,
     storage_namespace,
     store_pool_pages,
@@ -133,8 +135,10 @@ class StorageTier:
             b.close()
 
 
-def create_storage_tier(server_args: "ServerArgs", hosts: Sequence[PagedKV], rank: int = 0) -> StorageTier:
-    """The tier of `--hicache-storage-backend`: namespace = model + rank, the draft pool its own."""
+def create_storage_tier(server_args: "ServerArgs", hosts: Sequence[PagedKV], rank: int = 0,
+                        model_config=None) -> StorageTier:
+    """The tier of `--hicache-storage-backend`: namespace = model + rank + KV fingerprint (the draft
+    pool its own); every page carries the fingerprint, and a page of another is refused."""
     from sglang.srt.mem_cache.storage.registry import create_storage_backend, validate_storage_args
 
     sa = server_args
@@ -143,9 +147,28 @@ def create_storage_tier(server_args: "ServerArgs", hosts: Sequence[PagedKV], ran
     model = sa.served_model_name or sa.model_path
     backends = []
     for i, host in enumerate(hosts):  # 0: target, 1: the EAGLE draft (another layout: its own pages)
+        fp = pool_fingerprint(sa, model_config, host.layout(), extra.get("kv_fingerprint"))
         parts = (model, f"rank{rank}") if i == 0 else (model, f"rank{rank}", f"draft{i}")
-        backends.append(create_storage_backend(sa.hicache_storage_backend, host.layout(), extra,
-                                               namespace=storage_namespace(*parts)))
+        namespace = storage_namespace(*parts, f"kv{fp[:16]}")
+        backend = create_storage_backend(sa.hicache_storage_backend, host.layout(), extra, namespace=namespace,
+                                         fingerprint=fp)
+        others = backend.namespaces_like(namespace[: namespace.index(f"-kv{fp[:16]}") + 3])
+        if others:
+            logger.warning("HiCache storage: the store holds KV of %r under %d other fingerprint(s) (another "
+                           "checkpoint, config, dtype or layout): not used by this server, which keys its pages "
+                           "by fingerprint %s (namespace %s)", model, len(others), fp[:16], namespace)
+        backends.append(backend)
     return StorageTier(hosts, backends, sa.hicache_storage_prefetch_policy,
                        float(extra.get("prefetch_timeout_base", 0.5)),
                        float(extra.get("prefetch_timeout_per_ki_token", 0.25)))
+
+
+def pool_fingerprint(server_args: "ServerArgs", model_config, layout, weights_override: str | None = None) -> str:
+    """The KV fingerprint of one pool of this server (see storage/fingerprint.py for the inputs)."""
+    sa = server_args
+    weights: list | str = weights_override or weights_identity(
+        model_config.model_path if model_config is not None else sa.model_path, sa.load_format)
+    config = config_identity(model_config.hf_config) if model_config is not None else {}
+    return kv_fingerprint(weights, config, layout_meta(layout), dtype=str(getattr(model_config, "dtype", sa.dtype)),
+                          quantization=getattr(sa, "quantization", None), tp_size=sa.tp_size,
+                          attn_cp_size=sa.attn_cp_size, nnodes=sa.nnodes)

@@ -22,6 +22,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.nsa.nsa_indexer import causal_topk, fold_fp8_query
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.utils.common import upload
 
 # Scores of one extend chunk ([tokens, width] fp32) stay within this many bytes.
 CPU_SCORE_BUDGET = 2**26
@@ -123,7 +124,7 @@ class TritonNSABackend(AttentionBackend):
                         if last + 1 > self.topk_width:  # a row longer than index_topk
                             blocks.append((t0, n))
             chunks.append((cs, ce, b0, len(blocks)))
-        table = torch.tensor(blocks, dtype=torch.int32).reshape(-1, 2).to(fb.positions.device, non_blocking=True)
+        table = upload(torch.tensor(blocks, dtype=torch.int32).reshape(-1, 2), fb.positions.device)
         return TritonNSAMetadata(fb.req_to_token_pool.req_to_token, width, table, block_t, chunks)
 
     # -- CUDA graphs (decode) -----------------------------------------------------------------------

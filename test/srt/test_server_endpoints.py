@@ -248,7 +248,8 @@ def test_hidden_states_in_streams(client, n):
         assert all(len(hs) == h and isinstance(hs[0], float) for _, hs in found)
         done = client.chat.completions.create(model=SERVED, messages=msgs, max_tokens=6, temperature=0,
                                               extra_body={"return_hidden_states": True, "ignore_eos": True})
-        assert found[0][1] == pytest.approx(done.choices[0].model_extra["hidden_states"][-1], abs=1e-5)
+        # non-streamed, upstream's shape too: the last generated token's row (1-D), not every row
+        assert found[0][1] == pytest.approx(done.choices[0].model_extra["hidden_states"], abs=1e-5)
     found = [c.hidden_states for ch in client.completions.create(
         model=SERVED, prompt=["The capital of France is", "x"], max_tokens=4, temperature=0, n=n, stream=True,
         extra_body={"return_hidden_states": True}) for c in ch.choices if hasattr(c, "hidden_states")]

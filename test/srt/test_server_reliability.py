@@ -268,7 +268,8 @@ def test_100_concurrent_mixed_clients(server, client):
 # -- SIGTERM with a stream in flight --------------------------------------------------------------------------
 def test_sigterm_drains_then_aborts_and_exits():
     grace = 3.0
-    s = ServerProcess(MODEL, "--max-total-tokens", "4096", "--graceful-shutdown-timeout", str(grace))
+    s = ServerProcess(MODEL, "--max-total-tokens", "4096", "--graceful-shutdown-timeout", str(grace),
+                      "--log-level", "info")  # the launcher logs each child's exit code at info
     try:
         body = {"model": "default", "prompt": "count:", "max_tokens": 4000, "temperature": 0, "stream": True,
                 "ignore_eos": True}
@@ -288,7 +289,26 @@ def test_sigterm_drains_then_aborts_and_exits():
         assert finish == "abort", finish  # ended by the server, with a final event, not cut off
         # It kept streaming through the grace period (the timer starts when the server sees the signal).
         assert len(after_signal) > 1 and after_signal[-1] >= grace - 0.5, after_signal
-        s.proc.wait(timeout=120)
-        assert "aborted 1 request(s) still running" in s.log()
+        # uvicorn re-raised SIGTERM: exit 143 before the children were stopped (PDEATHSIG killed them).
+        assert s.proc.wait(timeout=120) == 0, s.log()
+        log = s.log()
+        assert "aborted 1 request(s) still running" in log
+        for child in ("scheduler-TP0", "detokenizer"):  # each left its loop: exit 0, not a signal's kill
+            assert f"{child} exited with code 0" in log, log
+        assert "did not stop" not in log and "died" not in log, log
+    finally:
+        s.stop()
+
+
+def test_sigterm_stops_every_tp_rank_at_the_same_iteration():
+    """Rank 0 sends its stop in the iteration's broadcast: a rank leaving on its own signal would
+    leave the other blocked in the collective until the launcher killed it."""
+    s = ServerProcess(MODEL, "--max-total-tokens", "4096", "--tp-size", "2", "--log-level", "info")
+    try:
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=120) == 0, s.log()
+        log = s.log()
+        for child in ("scheduler-TP0", "scheduler-TP1", "detokenizer"):
+            assert f"{child} exited with code 0" in log, log
     finally:
         s.stop()

@@ -371,12 +371,49 @@ def test_bad_speculative_flags(kw, flag):
         ServerArgs.from_kwargs(model_path=MODEL, speculative_num_draft_tokens=4).resolve()
 
 
-def test_hidden_states_request_is_refused_not_wrong():
-    spec = _engine(True, enable_return_hidden_states=True)
-    out = spec.generate(input_ids=_prompts(1)[0], sampling_params={"max_new_tokens": 4}, return_hidden_states=True)
-    reason = out["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and reason["status_code"] == 400 and "return_hidden_states" in reason["message"]
-    _whole(spec)
+def _hidden(o: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt block [prompt_len, H], one row per generated token fed back [completion - 1, H])."""
+    hs = o["meta_info"]["hidden_states"]
+    return torch.tensor(hs[0]), torch.tensor(hs[1:]).reshape(len(hs) - 1, -1)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_hidden_states_equal_plain_decoding(overlap):
+    """return_hidden_states under EAGLE: the prompt's block and one target last-layer row per token
+    fed back, exactly as plain decoding returns (accepted verify rows are the positions plain
+    decoding computes; rows past a request's end are dropped). Random, right (several rows accepted
+    per step, max_new_tokens ending inside a run), wrong and mixed drafts; a grammar request runs
+    alone (its batch verifies one row at a time)."""
+    prompts = _prompts(4)
+    params = [{"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+              {"temperature": 0, "max_new_tokens": 9, "ignore_eos": True},
+              {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True},
+              {"temperature": 0, "max_new_tokens": 7, "regex": "(yes|no)[a-d]{2,6}"}]
+    # float32: plain decode and the decode-shaped verify rows may round differently in bf16 on GPUs
+    kw = dict(enable_return_hidden_states=True, disable_overlap_schedule=not overlap, dtype="float32")
+    plain, spec = _engine(False, **kw), _engine(True, **kw)
+    tol = dict(atol=1e-4, rtol=1e-4) if DEVICE == "cpu" else dict(atol=2e-3, rtol=2e-3)  # TF32 matmuls
+    worker = spec.scheduler.tp_worker
+    batches = [(prompts[:3], params[:3]), ([prompts[3]], [params[3]])]
+    refs = [plain.generate(input_ids=p, sampling_params=sp, return_hidden_states=True) for p, sp in batches]
+    targets = {tuple(p): r["output_ids"] for (ps, _), rs in zip(batches, refs) for p, r in zip(ps, rs)}
+    for mode in (None, "right", "wrong", "mixed"):
+        worker.draft_override = None if mode is None else forced_drafts(targets, mode)
+        for (ps, sp), ref in zip(batches, refs):
+            assert spec.flush_cache()
+            worker.num_verify_steps = worker.num_accepted_drafts = 0
+            outs = spec.generate(input_ids=ps, sampling_params=sp, return_hidden_states=True)
+            for i, (o, r) in enumerate(zip(outs, ref)):
+                assert o["output_ids"] == r["output_ids"], (mode, i)
+                (p_ours, g_ours), (p_ref, g_ref) = _hidden(o), _hidden(r)
+                h = p_ref.shape[1]
+                assert p_ours.shape == p_ref.shape == (len(ps[i]), h), (mode, i)
+                assert g_ours.shape == g_ref.shape == (len(r["output_ids"]) - 1, h), (mode, i)
+                torch.testing.assert_close(p_ours, p_ref, **tol)
+                torch.testing.assert_close(g_ours, g_ref, **tol, msg=lambda m: f"{mode} {i}: {m}")
+            if mode == "right" and len(ps) > 1:
+                assert worker.avg_accept_length > 2.0  # several rows per verify were returned
+            _whole(spec)
 
 
 def test_checkpoint_without_mtp_layer_names_the_flags():
@@ -423,6 +460,58 @@ def test_server_streams_equal_plain_and_report_accept_length():
         assert st["kv_free_tokens"] + st["kv_cached_tokens"] == st["kv_total_tokens"]
         assert st["avg_spec_accept_length"] >= 1.0
         assert "sglang:spec_accept_length" in requests.get(server.base_url + "/metrics", timeout=30).text
+
+
+def test_server_hidden_states_as_upstreams_eagle_suite_asserts():
+    """Upstream's TestOpenAIServerWithEAGLEAndHiddenStatesEnabled through the official client:
+    completions (one prompt, a list) and chat, streamed and not, carry `hidden_states` as one 1-D
+    row (the last generated token's), none without the flag; here the row also equals plain
+    decoding's (the in-process plain engine on the same prompt)."""
+    import numpy as np
+    import openai
+
+    from sglang.srt.testing.server import ServerProcess
+
+    prompt, sp = "The capital of France is", {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    plain = _engine(False, enable_return_hidden_states=True, dtype="float32")
+    expect = plain.generate(prompt, sp, return_hidden_states=True)["meta_info"]["hidden_states"][-1]
+    tol = dict(atol=1e-4, rtol=1e-4) if DEVICE == "cpu" else dict(atol=2e-3, rtol=2e-3)
+    with ServerProcess(MODEL, "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3", "--device", DEVICE,
+                       "--dtype", "float32", "--max-total-tokens", "4096", "--enable-return-hidden-states",
+                       "--random-seed", "0") as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        kw = dict(model="default", max_tokens=8, temperature=0)
+        for want in (False, True):
+            extra = {"return_hidden_states": want, "ignore_eos": True}
+            for p in (prompt, [prompt, prompt]):
+                r = client.completions.create(prompt=p, extra_body=extra, **kw)
+                assert r.usage.completion_tokens == 8 * (2 if isinstance(p, list) else 1)
+                for c in r.choices:
+                    hs = c.model_extra.get("hidden_states")
+                    if not want:
+                        assert hs is None
+                        continue
+                    assert np.asarray(hs).ndim == 1
+                    np.testing.assert_allclose(hs, expect, **tol)
+            found = [c.hidden_states for ch in client.completions.create(
+                prompt=[prompt], stream=True, stream_options={"include_usage": True}, extra_body=extra, **kw)
+                for c in ch.choices if getattr(c, "hidden_states", None) is not None]
+            assert len(found) == (1 if want else 0)
+            if want:
+                assert np.asarray(found[0]).ndim == 1
+                np.testing.assert_allclose(found[0], expect, **tol)
+            msgs = [{"role": "user", "content": "What is the capital of France?"}]
+            r = client.chat.completions.create(messages=msgs, extra_body=extra, **kw)
+            hs = r.choices[0].model_extra.get("hidden_states")
+            assert (hs is None) if not want else np.asarray(hs).ndim == 1
+            found = [c.delta.hidden_states for ch in client.chat.completions.create(
+                messages=msgs, stream=True, stream_options={"include_usage": True}, extra_body=extra, **kw)
+                for c in ch.choices if hasattr(c.delta, "hidden_states")]
+            assert len(found) == (1 if want else 0)
+            if want:
+                assert np.asarray(found[0]).ndim == 1 and found[0] == pytest.approx(hs, abs=1e-5)
+        st = server.wait_idle()
+        assert st["kv_leak"] is None
 
 
 def test_load_64_streams_with_aborts_and_retraction():

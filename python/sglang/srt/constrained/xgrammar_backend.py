@@ -1,18 +1,42 @@
-"""Constrained decoding with xgrammar (PyPI `xgrammar`): packed int32 bitmasks, one bit per token.
+r"""Constrained decoding with xgrammar (PyPI `xgrammar`): packed int32 bitmasks, one bit per token.
 
 Vocabulary: the mask covers the model's vocabulary (`vocab_size`, usually padded past the
 tokenizer's real size); ids the tokenizer does not have are never allowed. Stop tokens are the
 model's EOS ids (config + tokenizer), so a grammar ends on a token that also ends the request.
+
+JSON strings: xgrammar's schema converter lets a length-bounded string (minLength / maxLength,
+propertyNames) hold raw U+0000-U+001F (its class is `[^\"\\\r\n]`, mlc-ai/xgrammar#286), which
+`json.loads` rejects. Grammars built from a JSON schema or a structural tag are therefore converted
+to EBNF and every string-character class (a negated class that excludes `"`) loses the control
+characters too, as xgrammar's own unbounded `basic_string` already does.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 import xgrammar
 
 from sglang.srt.constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
+
+# An EBNF string literal (skipped: an enum value may read "[^a]") or a negated class's body.
+_LITERAL_OR_NEGATED_CLASS = re.compile(r'("(?:\\.|[^"\\])*")|\[\^((?:\\.|[^\]\\])*)\]')
+_CONTROL_RANGE = r"\0-\x1f"
+
+
+def exclude_raw_control_chars(ebnf: str) -> str:
+    """Make every JSON-string character class of xgrammar's printed EBNF exclude U+0000-U+001F."""
+
+    def fix(m: re.Match) -> str:
+        body = m.group(2)
+        if body is None or '\\"' not in body or _CONTROL_RANGE in body:
+            return m.group(0)  # a literal, a class that is not a string's characters, or already right
+        return f"[^{_CONTROL_RANGE}{body}]"
+
+    return _LITERAL_OR_NEGATED_CLASS.sub(fix, ebnf)
+
 
 class XGrammarGrammar(BaseGrammarObject):
     def __init__(self, matcher: xgrammar.GrammarMatcher, vocab_size: int, ctx: xgrammar.CompiledGrammar) -> None:
@@ -73,8 +97,11 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         if key_string == "$$ANY$$":  # upstream's key for "any JSON" (response_format json_object)
             return self._from_context(self.grammar_compiler.compile_builtin_json_grammar())
         json.loads(key_string)  # a clear "not JSON" error before the schema compiler's
-        return self._from_context(self.grammar_compiler.compile_json_schema(
-            key_string, any_whitespace=self.any_whitespace))
+        grammar = xgrammar.Grammar.from_json_schema(key_string, any_whitespace=self.any_whitespace)
+        return self._compile_json_grammar(grammar)
+
+    def _compile_json_grammar(self, grammar: xgrammar.Grammar) -> XGrammarGrammar:
+        return self._from_context(self.grammar_compiler.compile_grammar(exclude_raw_control_chars(str(grammar))))
 
     def dispatch_regex(self, key_string: str) -> XGrammarGrammar:
         return self._from_context(self.grammar_compiler.compile_regex(key_string))
@@ -88,10 +115,10 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             # Upstream's format: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}.
             items = [xgrammar.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
                      for s in tag["structures"]]
-            ctx = self.grammar_compiler.compile_structural_tag(items, tag["triggers"])
+            grammar = xgrammar.Grammar.from_structural_tag(items, tag["triggers"])
         else:  # xgrammar's own structural tag format ({"type": "structural_tag", "format": ...})
-            ctx = self.grammar_compiler.compile_structural_tag(key_string)
-        return self._from_context(ctx)
+            grammar = xgrammar.Grammar.from_structural_tag(key_string)
+        return self._compile_json_grammar(grammar)
 
     def reset(self) -> None:
         super().reset()

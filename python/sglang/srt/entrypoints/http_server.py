@@ -1,7 +1,7 @@
 """FastAPI app: OpenAI-compatible routes plus SGLang's native ones.
 
-Every error is OpenAI-shaped JSON ({"error": {message, type, param, code}}) with a 4xx status
-for bad requests; unexpected exceptions become a 500 and the server keeps serving. Every route
+Every error has one body (openai/utils.error_body: upstream SGLang's ErrorResponse at the top
+level, OpenAI's {"error": {...}} beside it) with a 4xx status for bad requests; unexpected exceptions become a 500 and the server keeps serving. Every route
 reads its body through request_io (one parsing path) and writes JSON through it (no NaN).
 """
 
@@ -31,7 +31,14 @@ from sglang.srt.entrypoints.openai.serving_responses import ResponsesHandler, Re
 from sglang.srt.entrypoints.openai.serving_score import OpenAIServingScore, ScoringRequest
 from sglang.srt.entrypoints.openai.serving_base import CLIENT_CLOSED_REQUEST
 from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingDetokenize, OpenAIServingTokenize
-from sglang.srt.entrypoints.openai.utils import SSE_DONE, abort_error, error_response, request_error_response, sse
+from sglang.srt.entrypoints.openai.utils import (
+    SSE_DONE,
+    abort_error,
+    error_response,
+    request_error_body,
+    request_error_response,
+    sse,
+)
 from sglang.srt.entrypoints.request_io import (
     ClientDisconnected,
     SafeJSONResponse,
@@ -367,7 +374,7 @@ async def _native_stream(tm: TokenizerManager, req: GenerateRequest, prepared, w
                 add_logprob_texts(update["result"]["meta_info"], tm.tokenizer, texts)
             yield sse(update["result"])
     except RequestError as e:
-        yield sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.code}})
+        yield sse(request_error_body(e))
     yield SSE_DONE
 
 

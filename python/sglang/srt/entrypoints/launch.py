@@ -3,15 +3,18 @@
 Children die with the server (PR_SET_PDEATHSIG); if any child dies, the server logs which one
 and exits non-zero instead of hanging. Ctrl-C / SIGTERM stop accepting requests, let those in
 flight finish for --graceful-shutdown-timeout seconds, abort the rest (each client gets an abort
-finish, not a cut connection) and exit; a second Ctrl-C exits at once.
+finish, not a cut connection), then stop the children (SIGTERM: each leaves its loop and exits 0;
+SIGKILL after CHILD_STOP_TIMEOUT_S) and exit 0 (130 for Ctrl-C); a second Ctrl-C exits at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 import time
@@ -24,6 +27,7 @@ from sglang.srt.utils.ipc import PortArgs
 logger = logging.getLogger("sglang.launch_server")
 
 STARTUP_TIMEOUT_S = 600
+CHILD_STOP_TIMEOUT_S = 10.0  # a scheduler leaves its loop within one idle poll (1 s)
 
 
 class LaunchError(RuntimeError):
@@ -82,11 +86,28 @@ def _kill(procs: list) -> None:
         p.join(timeout=5)
 
 
-def _watchdog(procs: list) -> None:
+def _stop_children(procs: list, stopping: threading.Event) -> None:
+    """SIGTERM each child (they leave their loops and exit 0), wait, then SIGKILL what is left."""
+    stopping.set()  # the watchdog must not read these exits as crashes
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + CHILD_STOP_TIMEOUT_S
+    for p in procs:
+        p.join(timeout=max(deadline - time.monotonic(), 0))
+        if p.is_alive():
+            logger.warning("%s did not stop within %.0fs; killing it", p.name, CHILD_STOP_TIMEOUT_S)
+        else:
+            logger.log(logging.INFO if p.exitcode == 0 else logging.WARNING, "%s exited with code %s", p.name,
+                       p.exitcode)
+    _kill(procs)
+
+
+def _watchdog(procs: list, stopping: threading.Event | None = None) -> None:
     """A dead child means the server cannot serve: exit non-zero instead of hanging."""
-    while True:
+    while stopping is None or not stopping.is_set():
         for p in procs:
-            if not p.is_alive():
+            if not p.is_alive() and not (stopping is not None and stopping.is_set()):
                 logger.error("%s died (exit code %s); shutting the server down", p.name, p.exitcode)
                 _kill(procs)
                 os._exit(1)
@@ -101,6 +122,17 @@ def _draining_server(config, tm, grace_s: float):
     class DrainingServer(uvicorn.Server):
         """uvicorn already waits for open requests on a signal; this bounds the wait: after
         `grace_s` the requests still running are aborted so their connections close."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises the signal it caught once it has shut down; SIGTERM's default action
+            # then kills this process before launch_server stops the children and returns 0. SIGINT
+            # is still re-raised (KeyboardInterrupt: exit 130).
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals[:] = [s for s in self._captured_signals if s != signal.SIGTERM]
 
         def handle_exit(self, sig, frame) -> None:
             first = not self.should_exit
@@ -136,6 +168,7 @@ def launch_server(server_args: ServerArgs) -> int:
     logger.info("sglang %s, %s (%s); server_args=%s", __version__, mc.architecture, mc.dtype, shown)
     port_args = PortArgs.init_new()
     procs: list = []
+    stopping = threading.Event()
     try:
         procs, info = _start_children(sa, port_args)
         if sa.node_rank > 0:
@@ -148,14 +181,17 @@ def launch_server(server_args: ServerArgs) -> int:
         metrics = MetricsCollector(sa.served_model_name) if sa.enable_metrics else None
         tm = TokenizerManager(sa, port_args, info, metrics)
         app = create_app(tm, sa, metrics, __version__)
-        threading.Thread(target=_watchdog, args=(procs,), daemon=True).start()
+        threading.Thread(target=_watchdog, args=(procs, stopping), daemon=True).start()
         logger.info("serving on http://%s:%d", sa.host, sa.port)
         # uvicorn's own bound cuts connections that outlive our abort (e.g. a client not reading).
         config = uvicorn.Config(app, host=sa.host, port=sa.port, log_level=sa.log_level if sa.log_level != "debug"
                                 else "debug", timeout_keep_alive=5, access_log=sa.log_requests,
                                 timeout_graceful_shutdown=int(sa.graceful_shutdown_timeout) + 5)
         server = _draining_server(config, tm, sa.graceful_shutdown_timeout)
-        server.run()
+        try:
+            server.run()
+        finally:  # Ctrl-C (KeyboardInterrupt out of run) stops them the same way
+            _stop_children(procs, stopping)
         return 0 if server.started else 1
     finally:
         _kill(procs)

@@ -137,12 +137,14 @@ def run_detokenizer_process(server_args, port_args) -> None:
     import traceback
 
     from sglang.srt.utils.common import configure_logger
-    from sglang.srt.utils.ipc import kill_itself_when_parent_died
+    from sglang.srt.utils.ipc import kill_itself_when_parent_died, stop_event_on_sigterm
 
     kill_itself_when_parent_died()
+    stopping = stop_event_on_sigterm()
     configure_logger(server_args.log_level, prefix=" detokenizer")
     try:
-        DetokenizerManager(server_args, port_args).event_loop()
+        DetokenizerManager(server_args, port_args).event_loop(stop=stopping.is_set)
     except BaseException:
         logging.getLogger(__name__).error("detokenizer crashed:\n%s", traceback.format_exc())
         os._exit(1)
+    logging.getLogger(__name__).info("detokenizer stopped")

@@ -196,6 +196,8 @@ class SchedulerOutputProcessorMixin:
             if not is_prefill and rows > 1:
                 req.spec_verify_ct += 1
             new_ids = self._append_tokens(req, i, result)
+            if req.return_hidden_states and req.finished():
+                _drop_hidden_rows_past_the_end(req)
             if req.first_token_time is None:
                 req.first_token_time = now
             # Rows past the tokens a finished request kept hold no token of it.
@@ -260,6 +262,16 @@ class SchedulerOutputProcessorMixin:
                 out.input_top_logprobs = req.input_top_logprobs
                 req.input_logprobs_sent = True
         return out
+
+
+def _drop_hidden_rows_past_the_end(req: Req) -> None:
+    """A verify that accepted rows past the token a request finished on computed positions plain
+    decoding never feeds: keep the rows of positions < len(fill_ids) - 1 (the last token is never
+    fed back), as plain decoding returns."""
+    surplus = req.hidden_emitted - (len(req.fill_ids()) - 1)
+    if surplus > 0 and len(req.pending_hidden) >= surplus:
+        del req.pending_hidden[-surplus:]
+        req.hidden_emitted -= surplus
 
 
 def _take_hidden_rows(req: Req, first_pos: int, rows: list[list[float]]) -> None:

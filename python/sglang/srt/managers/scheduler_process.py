@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import traceback
 from typing import Callable
 
@@ -27,7 +28,7 @@ from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tokenizer_utils import load_tokenizer
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.common import configure_logger
-from sglang.srt.utils.ipc import PortArgs, get_zmq_socket, kill_itself_when_parent_died
+from sglang.srt.utils.ipc import PortArgs, get_zmq_socket, kill_itself_when_parent_died, stop_event_on_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +36,16 @@ IDLE_POLL_MS = 1000
 EVENT_POLL_MS = 2  # idle, but HiCache copies are still to be acknowledged
 
 
+class Shutdown:
+    """Rank 0's stop, sent in the iteration's broadcast so every TP rank leaves the loop at the same
+    iteration (a rank that stopped on its own would leave the others blocked in a collective)."""
+
+
 class SchedulerProcess:
-    def __init__(self, scheduler: Scheduler, port_args: PortArgs, tp_rank: int) -> None:
+    def __init__(self, scheduler: Scheduler, port_args: PortArgs, tp_rank: int,
+                 stopping: threading.Event | None = None) -> None:
         self.scheduler, self.tp_rank = scheduler, tp_rank
+        self.stopping = stopping or threading.Event()  # rank 0's is set by SIGTERM; other ranks' is unused
         self.tp_group = scheduler.tp_worker.world_group  # every rank of the server
         if tp_rank == 0:
             ctx = zmq.Context(2)
@@ -55,6 +63,8 @@ class SchedulerProcess:
                     msgs.append(self.recv_from_tokenizer.recv_pyobj(zmq.NOBLOCK))
                 except zmq.ZMQError:
                     break
+            if self.stopping.is_set():
+                msgs.append(Shutdown())
         # control messages: over the gloo cpu_group, so no iteration waits on a device round trip
         return self.tp_group.broadcast_object(msgs) if not self.tp_group.is_single else msgs
 
@@ -89,8 +99,11 @@ class SchedulerProcess:
             busy = self.scheduler.has_work()
             # Work that made no progress last time (requests waiting for KV, transfers): wait briefly
             # on the socket instead of spinning a core.
-            for msg in self.recv_requests(block=not busy or not self.scheduler.last_step_progressed,
-                                          timeout_ms=EVENT_POLL_MS if copying or busy else IDLE_POLL_MS):
+            msgs = self.recv_requests(block=not busy or not self.scheduler.last_step_progressed,
+                                      timeout_ms=EVENT_POLL_MS if copying or busy else IDLE_POLL_MS)
+            if any(isinstance(m, Shutdown) for m in msgs):
+                return  # the server stopped taking requests and aborted those in flight first
+            for msg in msgs:
                 outputs += self.process(msg)
             if self.scheduler.has_work():  # (a message may have brought work)
                 outputs += self.scheduler.step()
@@ -101,6 +114,7 @@ class SchedulerProcess:
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank: int, pipe_writer) -> None:
     kill_itself_when_parent_died()
+    stopping = stop_event_on_sigterm()
     configure_logger(server_args.log_level, prefix=f" TP{tp_rank}")
     if server_args.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         import torch
@@ -114,7 +128,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
         tp_group = init_distributed(server_args.tp_size, tp_rank, init, timeout_s=server_args.dist_timeout)
         tokenizer = load_tokenizer(server_args.tokenizer_path, server_args.trust_remote_code)
         scheduler = scheduler_class(server_args)(server_args, tokenizer=tokenizer, tp_group=tp_group)
-        proc = SchedulerProcess(scheduler, port_args, tp_rank)
+        proc = SchedulerProcess(scheduler, port_args, tp_rank, stopping)
         pipe_writer.send({
             "status": "ready",
             "max_total_num_tokens": scheduler.max_total_num_tokens,
@@ -134,3 +148,8 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, tp_rank:
     except BaseException:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         os._exit(1)
+    logger.info("scheduler stopped")
+    logging.shutdown()
+    # Skip interpreter teardown: device and process-group objects (NCCL, copy threads) need not be
+    # torn down in order by a process that is leaving anyway.
+    os._exit(0)

@@ -21,11 +21,15 @@ SAMPLING_EPS = 1e-6
 # top_k value meaning "no top-k filtering".
 TOP_K_ALL = -1
 GRAMMAR_FIELD_NAMES = tuple(GRAMMAR_FIELDS)  # json_schema, regex, ebnf, structural_tag
+# Fields whose JSON null is a value, not "the default": max_new_tokens null = bounded only by the
+# context (upstream: SamplingParams(max_new_tokens=None); the OpenAI routes send it when the client
+# sets no max_tokens).
+NULL_IS_A_VALUE = frozenset({"max_new_tokens"})
 
 
 @dataclass
 class SamplingParams:
-    # None = limited only by the context length (upstream semantics).
+    # None (JSON null too) = limited only by the context length (upstream semantics); absent = 128.
     max_new_tokens: int | None = 128
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -67,7 +71,8 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
         """Build from a request dict. Unknown keys raise ValueError (typos must not be silently
-        ignored); `seed` is accepted as an alias of `sampling_seed`; JSON null means "default"."""
+        ignored); `seed` is accepted as an alias of `sampling_seed`; JSON null means "default"
+        (except in NULL_IS_A_VALUE)."""
         if d is None:
             return cls()
         if not isinstance(d, dict):
@@ -88,7 +93,8 @@ class SamplingParams:
         kwargs = {}
         for k, v in d.items():
             # null keeps the default, except where None is itself a meaningful value.
-            kwargs[k] = getattr(defaults, k) if v is None and getattr(defaults, k) is not None else v
+            keep_default = v is None and getattr(defaults, k) is not None and k not in NULL_IS_A_VALUE
+            kwargs[k] = getattr(defaults, k) if keep_default else v
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:

@@ -193,6 +193,8 @@ class EAGLEWorker:
         # The same batch split the same way: under CP each rank's target rows feed its draft rows.
         self._draft_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, ids, lo.hidden_states,
                            lo.topk_indices, batch.out_cache_loc, rows_local=True)
+        if _wants_hidden(batch.reqs):  # (refused under CP, where these rows are the rank's own)
+            fb.capture_hidden_mode = CaptureHiddenMode.FULL  # every prompt row to return, as plain prefill
         return BatchOutputCopy(batch, fb, lo, sample)
 
     def _set_host_ids(self, fb: ForwardBatch) -> None:
@@ -294,7 +296,7 @@ class EAGLEWorker:
         self.next_draft[slots] = dlo.next_token_logits.argmax(dim=-1)
         self.draft_hidden[slots] = dlo.hidden_states.to(self.draft_hidden.dtype)
         self.kv_len[slots] = base + accepted + 1
-        return SpecDecodeOutput(self, batch, n, picks, accepted, sample)
+        return SpecDecodeOutput(self, batch, n, picks, accepted, sample, lo.hidden_states)
 
     @torch.inference_mode()
     def _decode_cp(self, batch: ScheduleBatch) -> GenerationBatchResult:
@@ -349,23 +351,36 @@ class EAGLEWorker:
                            lo.topk_indices, one.out_cache_loc)
         self.kv_len[fb.req_pool_indices] = fb.seq_lens
         self.num_verify_steps += b
-        fb.capture_hidden_mode = CaptureHiddenMode.NULL  # hidden states were for the draft only
+        if not _wants_hidden(reqs):
+            fb.capture_hidden_mode = CaptureHiddenMode.NULL  # hidden states were for the draft only
         res = BatchOutputCopy(one, fb, lo, sample).to_host()
         res.accept_lens = [1] * b
         return res
 
 
+def _wants_hidden(reqs: list[Req]) -> bool:
+    return any(r.return_hidden_states for r in reqs)
+
+
 class SpecDecodeOutput:
     """A speculative step's outputs on their way to the host: the constructor only queues the copies
-    (picks, acceptance, logprobs); `to_host()` waits for them and builds the result: per request
-    the accepted drafts plus the target's own next token, accept_lens = accepted + 1."""
+    (picks, acceptance, logprobs, the verify's hidden states of requests that asked); `to_host()`
+    waits for them and builds the result: per request the accepted drafts plus the target's own
+    next token, accept_lens = accepted + 1, and the target's hidden state of each accepted row
+    (row j was fed the request's token at position c + j: what plain decoding computes there)."""
 
     def __init__(self, worker: EAGLEWorker, batch: ScheduleBatch, n: int, picks: torch.Tensor, accepted: torch.Tensor,
-                 sample) -> None:
+                 sample, hidden_states: torch.Tensor | None = None) -> None:
         self.worker, self.batch, self.b, self.n = worker, batch, len(batch.reqs), n
         self.picks, self.accepted = to_host_async(picks), to_host_async(accepted)
         self.logprobs = to_host_async(sample.next_token_logprobs) if sample.next_token_logprobs is not None else None
         self.top_logprobs = sample.top_logprobs
+        self.hidden_reqs = [i for i, r in enumerate(batch.reqs) if r.return_hidden_states]
+        self.hidden = None
+        if self.hidden_reqs and hidden_states is not None:
+            want = torch.tensor(self.hidden_reqs, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
+            rows = hidden_states[: self.b * n].view(self.b, n, -1)  # (graph replays may pad the batch)
+            self.hidden = to_host_async(rows[want].float())
         self.copy_done = copies_done_event(picks)
 
     def to_host(self) -> GenerationBatchResult:
@@ -381,6 +396,13 @@ class SpecDecodeOutput:
         self.worker.num_accepted_drafts += sum(acc[i] for i in live)
         res = GenerationBatchResult(next_token_ids=[rows[i][: a + 1] for i, a in enumerate(acc)],
                                     accept_lens=[a + 1 for a in acc])
+        if self.hidden is not None:
+            # The step's rows start at the committed length, which the host knows by now: the step
+            # before this one was processed before this to_host (overlap or not).
+            res.hidden_rows = [None] * self.b
+            for k, i in enumerate(self.hidden_reqs):
+                req = batch.reqs[i]
+                res.hidden_rows[i] = (req.kv_committed_len, self.hidden[k, : acc[i] + 1].tolist())
         if self.logprobs is not None:
             lps = self.logprobs.view(self.b, n).tolist()
             res.next_token_logprobs = [lps[i][: a + 1] for i, a in enumerate(acc)]

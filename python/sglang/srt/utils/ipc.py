@@ -48,6 +48,14 @@ def get_zmq_socket(context: zmq.Context, socket_type: int, endpoint: str, bind: 
     return sock
 
 
+def stop_event_on_sigterm() -> threading.Event:
+    """An event SIGTERM sets (the launcher's request to stop): the process's loop checks it and
+    exits 0 at a point it chooses, instead of dying mid-step by the signal's default action."""
+    event = threading.Event()
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: event.set())
+    return event
+
+
 def kill_itself_when_parent_died() -> None:
     """Children die with the server: PR_SET_PDEATHSIG on Linux, a ppid watcher elsewhere."""
     try:

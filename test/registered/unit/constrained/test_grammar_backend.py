@@ -163,6 +163,68 @@ def test_structural_tag_upstream_format_compiles(backend):
     assert backend.validate(("structural_tag", json.dumps(tag))) is None
 
 
+# A length-bounded string let raw U+0000-U+001F through (mlc-ai/xgrammar#286); json.loads rejects them.
+_BOUNDED = {"type": "string", "minLength": 1, "maxLength": 6}
+_CONTROL_TAGS = [
+    ("json", {"type": "object", "properties": {"s": _BOUNDED}, "required": ["s"]}),
+    ("json", {"type": "array", "items": _BOUNDED, "minItems": 1, "maxItems": 2}),
+    ("json", {"type": "object", "propertyNames": {"maxLength": 3}, "additionalProperties": {"type": "boolean"},
+             "minProperties": 1, "maxProperties": 1}),
+    ("structural_tag", {"structures": [{"begin": "<f>", "schema": {"type": "object", "properties": {"s": _BOUNDED},
+                                                                   "required": ["s"]}, "end": "</f>"}],
+                        "triggers": ["<f>"]}),
+    ("structural_tag", {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": _BOUNDED}}),
+]
+
+
+@pytest.mark.parametrize("kind,spec", _CONTROL_TAGS)
+def test_json_strings_never_hold_raw_control_characters(backend, token_text, vocab, kind, spec):
+    """A walk that takes a control-character token whenever the mask allows one (the model "wants"
+    them) still ends in text whose JSON parses."""
+    control = {t for t, s in token_text.items() if any(ord(c) < 0x20 for c in s)}
+    assert control, "the tiny tokenizer has byte tokens for U+0000-U+001F"
+    rng = random.Random(3)
+    for walk in range(4):
+        g, text = compile_ok(backend, kind, json.dumps(spec)), ""
+        if kind == "structural_tag":  # free text, then the trigger opens the constrained part
+            text = "<f>" if "structures" in spec else ""
+            for t in tokenizer_ids(token_text, text):
+                assert g.accept_token(t)
+        for step in range(120):
+            got = allowed(g, vocab)
+            # Later steps avoid them, so a walk through whitespace-tolerant JSON (tabs, newlines) ends.
+            wanted = (sorted(got & control) if step < 40 else []) or sorted(got - control - {EOS}) or [EOS]
+            tok = rng.choice(wanted)
+            assert g.accept_token(tok)
+            if tok == EOS or g.is_terminated():
+                break
+            text += token_text[tok]
+            if "</f>" in text:  # the tag closed; free text follows it
+                break
+        else:
+            pytest.fail(f"walk did not terminate: {text!r}")
+        body = text.removeprefix("<f>").split("</f>")[0]
+        json.loads(body)  # raw control characters inside a string would raise here
+
+
+def tokenizer_ids(token_text: dict[int, str], text: str) -> list[int]:
+    """Greedy longest-match ids of `text` (enough for a short ASCII trigger)."""
+    by_text = {s: t for t, s in token_text.items()}
+    ids, i = [], 0
+    while i < len(text):
+        j = max(j for j in range(i + 1, len(text) + 1) if text[i:j] in by_text)
+        ids.append(by_text[text[i:j]])
+        i = j
+    return ids
+
+
+def test_exclude_raw_control_chars_touches_string_classes_only():
+    from sglang.srt.constrained.xgrammar_backend import exclude_raw_control_chars
+
+    ebnf = r'a ::= [^\"\\\r\n] "[^\"b]" [^x] [^\0-\x1f\"\\]' + "\n"
+    assert exclude_raw_control_chars(ebnf) == r'a ::= [^\0-\x1f\"\\\r\n] "[^\"b]" [^x] [^\0-\x1f\"\\]' + "\n"
+
+
 def test_cache_compiles_once_and_copies_are_independent(tokenizer, vocab):
     b = XGrammarGrammarBackend(tokenizer, vocab, eos_token_ids=[EOS])
     # The compile is held until both lookups are made: without the gate a busy machine may finish it

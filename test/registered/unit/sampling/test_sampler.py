@@ -394,6 +394,9 @@ def test_from_dict_and_to_dict():
     with pytest.raises(ValueError, match="seed"):
         SamplingParams.from_dict({"seed": 1, "sampling_seed": 2})
     assert SamplingParams.from_dict(None) == SamplingParams()
+    # null max_new_tokens is "up to the context" (the chat route sends it without max_tokens), not 128
+    assert SamplingParams.from_dict({"max_new_tokens": None}).max_new_tokens is None
+    assert SamplingParams.from_dict({}).max_new_tokens == 128
     d = SamplingParams().to_dict()
     assert (d["max_new_tokens"], d["temperature"], d["top_p"], d["top_k"], d["min_p"], d["n"]) == (128, 1.0, 1.0, -1, 0.0, 1)
 

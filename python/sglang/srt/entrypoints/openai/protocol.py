@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer, model_validator
 
 from sglang.srt.managers.tokenizer_manager import RequestError
 
@@ -162,13 +162,22 @@ class SamplingExtras(_Request):
         return sp
 
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and upstream's /v1/completions default (chat: the context)
+
+
 class CompletionRequest(SamplingExtras):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_is_the_default(cls, v: int | None) -> int:
+        # null is "not set" here (OpenAI documents 16 as the default); chat's null is the context.
+        return COMPLETION_DEFAULT_MAX_TOKENS if v is None else v
 
 
 class FunctionCall(BaseModel):
@@ -217,7 +226,7 @@ class ToolChoice(BaseModel):
 
 class ChatCompletionRequest(SamplingExtras):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # neither set: up to the context length (OpenAI, upstream)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -281,16 +290,18 @@ def now_s() -> int:
 
 
 def usage_of(results: list[dict]) -> UsageInfo:
-    """Usage over a request's choices; with n > 1 the prompt is billed once per distinct prompt."""
-    prompt = 0
+    """Usage over a request's choices, given in choice order. With n > 1 a prompt is billed once
+    and so are its cached tokens: both come from the prompt's first choice (upstream's usage
+    processor does the same), so cached_tokens <= prompt_tokens always holds."""
+    prompt = cached = 0
     seen = set()
     for r in results:
         key = r["meta_info"].get("prompt_index", id(r))
         if key not in seen:
             seen.add(key)
             prompt += r["meta_info"]["prompt_tokens"]
+            cached += r["meta_info"].get("cached_tokens", 0)
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
-    cached = sum(r["meta_info"].get("cached_tokens", 0) for r in results)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details={"cached_tokens": cached})
 

@@ -19,19 +19,22 @@ from sglang.srt.entrypoints.openai.protocol import (
     usage_of,
 )
 from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
-from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_bytes, token_text
+from sglang.srt.entrypoints.openai.utils import (
+    SSE_DONE,
+    check_model,
+    last_token_hidden,
+    merge_streams,
+    request_error_body,
+    sse,
+    token_bytes,
+    token_text,
+)
 from sglang.srt.function_call.utils import get_json_schema_constraint
 from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
 from sglang.srt.constrained.base_grammar_backend import grammar_key
 from sglang.srt.parser.reasoning_parser import reasoning_enabled, think_end_token
 
 MAX_TOP_LOGPROBS = 20
-
-
-def last_token_hidden(hidden: list) -> list:
-    """Upstream's streamed chat hidden states: the last generated token's row ([] when only the
-    prompt's block is there)."""
-    return hidden[-1] if len(hidden) > 1 else []
 
 
 class ChatHandler(OpenAIServingBase):
@@ -157,7 +160,7 @@ class ChatHandler(OpenAIServingBase):
                       "logprobs": self._logprobs(meta, 0) if req.logprobs else None,
                       "finish_reason": fr, "matched_stop": matched_stop_of(meta)}
             if "hidden_states" in meta:
-                choice["hidden_states"] = meta["hidden_states"]
+                choice["hidden_states"] = last_token_hidden(meta["hidden_states"])
             choices.append(choice)
         usage = usage_of(results)
         if self.reasoning_parser:
@@ -229,10 +232,10 @@ class ChatHandler(OpenAIServingBase):
                     yield chunk([{"index": idx, "delta": {"hidden_states": last_token_hidden(hidden)},
                                   "logprobs": None, "finish_reason": None}])
             if opts and opts.include_usage:
-                usage = usage_of(list(finals.values()))
+                usage = usage_of([finals[i] for i in sorted(finals)])
                 if self.reasoning_parser:
                     usage.reasoning_tokens = sum(map(self._reasoning_tokens, reasoning_text))
                 yield chunk([], usage=usage.model_dump(exclude_none=True))
         except RequestError as e:
-            yield sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.code}})
+            yield sse(request_error_body(e))
         yield SSE_DONE

@@ -14,7 +14,15 @@ from sglang.srt.entrypoints.openai.protocol import (
 )
 from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
 from sglang.srt.entrypoints.openai.protocol import MAX_N
-from sglang.srt.entrypoints.openai.utils import SSE_DONE, check_model, merge_streams, sse, token_text
+from sglang.srt.entrypoints.openai.utils import (
+    SSE_DONE,
+    check_model,
+    last_token_hidden,
+    merge_streams,
+    request_error_body,
+    sse,
+    token_text,
+)
 from sglang.srt.managers.tokenizer_manager import GenerateRequest, RequestError
 
 MAX_LOGPROBS = 20
@@ -133,13 +141,13 @@ class CompletionHandler(OpenAIServingBase):
                     yield sse(body)
             if req.stream_options and req.stream_options.include_usage:
                 yield sse({"id": cid, "object": "text_completion", "created": created, "model": req.model,
-                           "choices": [], "usage": usage_of(list(finals.values())).model_dump()})
+                           "choices": [], "usage": usage_of([finals[i] for i in sorted(finals)]).model_dump()})
         except RequestError as e:
-            yield sse({"error": {"message": e.message, "type": e.err_type, "param": e.param, "code": e.code}})
+            yield sse(request_error_body(e))
         yield SSE_DONE
 
 
 def _attach_matched_stop(choice: dict, meta: dict) -> None:
     choice["matched_stop"] = matched_stop_of(meta)
     if "hidden_states" in meta:
-        choice["hidden_states"] = meta["hidden_states"]
+        choice["hidden_states"] = last_token_hidden(meta["hidden_states"])

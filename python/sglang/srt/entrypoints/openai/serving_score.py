@@ -51,8 +51,9 @@ class OpenAIServingScore:
             raise RequestError("label_token_ids must be a non-empty list of token ids", param="label_token_ids")
         bad = [t for t in labels if not 0 <= t < self.tm.vocab_size]
         if bad:
-            raise RequestError(f"label_token_ids {bad[:5]} are outside the vocabulary [0, {self.tm.vocab_size})",
-                               param="label_token_ids")
+            # "Token ID N is out of vocabulary": upstream's wording, which its API suite matches.
+            raise RequestError(f"label_token_ids: Token ID {bad[0]} is out of vocabulary (ids {bad[:5]} are outside "
+                               f"[0, {self.tm.vocab_size}))", param="label_token_ids")
         return labels
 
     def _inputs(self, req: ScoringRequest) -> tuple[bool, Any, list]:

@@ -10,14 +10,39 @@ from sglang.srt.managers.tokenizer_manager import RequestError
 from sglang.srt.managers.tokenizer_utils import byte_level_decoder
 
 
+# The exception the openai client raises for a status; upstream SGLang's ErrorResponse.type names it.
+_ERROR_CLASSES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+                  404: "NotFoundError", 409: "ConflictError", 422: "UnprocessableEntityError", 429: "RateLimitError"}
+
+
+def error_class(status_code: int) -> str:
+    if status_code >= 500:
+        return "InternalServerError"
+    return _ERROR_CLASSES.get(status_code, "BadRequestError")
+
+
+def error_body(message: str, status_code: int = 400, err_type: str = "invalid_request_error",
+               param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """Every error this server returns, in a response or a stream event: upstream SGLang's
+    ErrorResponse at the top level ({"object": "error", message, type: the error class, param, code:
+    the HTTP status}) and OpenAI's own {"error": {message, type, param, code}} beside it. The openai
+    client reads "error" first (its exception's type / code are OpenAI's); upstream's clients read the
+    top level."""
+    return {"object": "error", "message": message, "type": error_class(status_code), "param": param,
+            "code": status_code, "error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def request_error_body(e: RequestError) -> dict[str, Any]:
+    return error_body(e.message, e.status_code, e.err_type, e.param, e.code)
+
+
 def error_response(message: str, status_code: int = 400, err_type: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None) -> SafeJSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-    return SafeJSONResponse(body, status_code=status_code)
+    return SafeJSONResponse(error_body(message, status_code, err_type, param, code), status_code=status_code)
 
 
 def request_error_response(e: RequestError) -> SafeJSONResponse:
-    return error_response(e.message, e.status_code, e.err_type, e.param, e.code)
+    return SafeJSONResponse(request_error_body(e), status_code=e.status_code)
 
 
 def abort_error(results: list[dict]) -> SafeJSONResponse | None:
@@ -29,6 +54,12 @@ def abort_error(results: list[dict]) -> SafeJSONResponse | None:
             return error_response(fr.get("message", "request aborted"), status,
                                   "server_error" if status >= 500 else "invalid_request_error")
     return None
+
+
+def last_token_hidden(hidden: list) -> list:
+    """The hidden states an OpenAI-route choice carries, upstream's: the last generated token's row
+    ([] when only the prompt's block is there); /generate's meta_info keeps every row."""
+    return hidden[-1] if len(hidden) > 1 else []
 
 
 def sse(obj: Any) -> str:

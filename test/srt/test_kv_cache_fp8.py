@@ -183,6 +183,9 @@ def test_context_parallel_moves_fp8_pages_as_bytes(builtin_path):
             assert max(abs(a - b) for a, b in zip(got[k]["logprobs"], ref[k]["logprobs"])) < 1e-4, case.name
 
 
+LOGPROB_RTOL = 1e-5  # ~20 fp32 ulps: rounding, never a wrong page (that moves logprobs by >= 1e-2)
+
+
 def test_hicache_reload_of_fp8_pages_equals_fresh_prefill():
     """HiCache moves the FP8 rows as raw bytes (layout() / page_payloads()): a prompt evicted to the host and
     loaded back gives the tokens and logprobs of a fresh prefill over the FP8 cache."""
@@ -211,7 +214,12 @@ def test_hicache_reload_of_fp8_pages_equals_fresh_prefill():
         got = eng.generate(input_ids=prompt, sampling_params=sp, return_logprob=True)
         assert got["meta_info"]["cached_tokens"] >= 100 and tc.stats["loaded_tokens"] >= 100
         assert got["output_ids"] == want["output_ids"]
-        assert got["meta_info"]["output_token_logprobs"] == want["meta_info"]["output_token_logprobs"]
+        # The reloaded bytes are the fresh prefill's (the KV itself is compared byte for byte in
+        # test_hicache); the logprobs come from an extend over the cached prefix instead of a whole
+        # prefill, whose fp32 rounding may differ in the last bits (CI saw 1 ulp, 4.8e-7 at -4.97).
+        for (a, ta, _), (b, tb, _) in zip(got["meta_info"]["output_token_logprobs"],
+                                          want["meta_info"]["output_token_logprobs"], strict=True):
+            assert ta == tb and abs(a - b) <= LOGPROB_RTOL * max(1.0, abs(b)), (a, b)
     finally:
         eng.shutdown()
 

@@ -8,15 +8,19 @@ tokens each, so a burst of 64 requests overfills both many times over:
   backpressure ("queue full") and torn writes injected (both retried);
 - a transfer that keeps failing is reported (503) and frees both sides at once, not after the
   120 s bootstrap timeout, and the pair serves again without a restart;
-- a prefill server whose requests wait for a decode server sleeps on its sockets, not spinning.
+- a prefill server whose requests wait for a decode server sleeps on its sockets, not spinning;
+- the router answers bad input (lone surrogate, NaN, 5,000-deep JSON, bad UTF-8) as the servers
+  do, unknown routes with OpenAI-shaped 404s, and the same keep-alive connection keeps working.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import random
 import threading
 
+import httpx
 import pytest
 import requests
 
@@ -189,8 +193,73 @@ def test_stalled_prefill_scheduler_sleeps(pd, monkeypatch):
     _idle_no_leak(pd.prefill)
 
 
+def _local_addr(r: httpx.Response) -> tuple:
+    """The client-side address of the connection that carried `r` (the same one = kept alive)."""
+    return r.extensions["network_stream"].get_extra_info("client_addr")
+
+
 def _post_until_timeout(url: str, body: dict, timeout: float) -> None:
     try:
         requests.post(url, json=body, timeout=timeout)
     except requests.Timeout:
         pass
+
+
+BAD_BODIES = {
+    "lone surrogate": b'{"model": "default", "prompt": "hi \\ud800", "max_tokens": 2}',
+    "temperature NaN": b'{"model": "default", "prompt": "hi", "max_tokens": 2, "temperature": NaN}',
+    "5000-deep JSON": b'{"model": "default", "max_tokens": 2, "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    "bad UTF-8": b'{"model": "default", "prompt": "hi \xff", "max_tokens": 2}',
+    "not an object": b'["hi"]',
+    "bad max_tokens": b'{"model": "default", "prompt": "hi", "max_tokens": "many"}',
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_router_answers_bad_input_as_the_servers_do(pd, stream):
+    """Each bad body gets, from the router, the decode server's own status and error body (400,
+    not a 500 "router error"), streamed or not; after each, a good request on the same keep-alive
+    connection (one httpx.Client, its socket checked) still works -- streamed ones as SSE."""
+    good = {"model": "default", "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0,
+            "stream": stream}
+    headers = {"content-type": "application/json"}
+    with httpx.Client(base_url=pd.base_url, timeout=120) as router, \
+            httpx.Client(base_url=pd.decode.base_url, timeout=120) as server:
+        sockets = set()
+        for name, body in BAD_BODIES.items():
+            if stream and body.startswith(b"{") and b"\xff" not in body:
+                body = body[:-1] + b', "stream": true}'
+            want = server.post("/v1/completions", content=body, headers=headers)
+            got = router.post("/v1/completions", content=body, headers=headers)
+            sockets.add(_local_addr(got))
+            assert want.status_code == 400, (name, want.text)
+            assert (got.status_code, got.json()) == (want.status_code, want.json()), name
+            assert got.headers["content-type"] == want.headers["content-type"]
+            with router.stream("POST", "/v1/completions", json=good) as r:
+                sockets.add(_local_addr(r))
+                text = r.read().decode()
+                assert r.status_code == 200, (name, text)
+                if stream:
+                    assert r.headers["content-type"].startswith("text/event-stream")
+                    assert text.rstrip().endswith("data: [DONE]")
+                else:
+                    assert json.loads(text)["choices"][0]["text"]
+        assert len(sockets) == 1, "the router dropped the keep-alive connection"
+    _idle_no_leak(pd.prefill)
+    _idle_no_leak(pd.decode)
+
+
+def test_router_unknown_routes_are_openai_404s(pd):
+    with httpx.Client(base_url=pd.base_url, timeout=60) as router:
+        sockets = set()
+        for method, path, status in [("POST", "/v1/nope", 404), ("GET", "/nope", 404),
+                                     ("GET", "/v1/completions", 405)]:
+            r = router.request(method, path)
+            sockets.add(_local_addr(r))
+            err = r.json()["error"]
+            assert r.status_code == status and err["type"] == "invalid_request_error", r.text
+            assert path in err["message"] and set(err) == {"message", "type", "param", "code"}
+            r = router.get("/v1/models")
+            sockets.add(_local_addr(r))
+            assert r.status_code == 200
+        assert len(sockets) == 1

@@ -31,7 +31,8 @@ from sglang.srt.testing.inprocess import InProcessServer
 from sglang.srt.testing.pd import PDSetup
 
 MODEL = "builtin:tiny-deepseek-v32"
-ARGS = ("--random-seed", "0", "--enable-metrics")
+# CPU even on a GPU host: the fake backend's memmove copies host memory (and this is scheduling).
+ARGS = ("--device", "cpu", "--random-seed", "0", "--enable-metrics")
 KV = 512  # tokens, on each side
 BURST = 64
 

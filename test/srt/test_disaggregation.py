@@ -106,6 +106,16 @@ def _run_pd(p, d, port, prompts, max_new: int, step_limit: int = 5000):
     return [toks[r] for r in rids], [finals.get(r) for r in rids], [pouts.get(r) for r in rids]
 
 
+def _read_register(p, room: int) -> None:
+    """Until the prefill side has read room's Register (it follows the Handshake, maybe not at once)."""
+    for _ in range(600):
+        if room in p.pd_regs:
+            return
+        p.bootstrap.poll(100)
+        p._poll_control()
+    raise AssertionError(f"no Register for room {room} after 60 s")
+
+
 def _no_leak(*scheds) -> None:
     for s in scheds:
         assert s.kv_leak_report() is None, s.kv_leak_report()
@@ -282,7 +292,9 @@ def _idle_no_leak(server: ServerProcess) -> dict:
     return server.wait_state(lambda st: st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0
                              and st["kv_leak"] is None and not (st["disaggregation"] or {}).get("waiting")
                              and st["kv_free_tokens"] + st["kv_cached_tokens"] == st["kv_total_tokens"]
-                             and not (st["disaggregation"] or {}).get("transferring"), "idle without leaks")
+                             and not any((st["disaggregation"] or {}).get(k) for k in
+                                                ("transferring", "queued", "bootstrapping", "inflight")),
+                             "idle without leaks")
 
 
 @pytest.mark.parametrize("page_size", ["1", "64"])
@@ -382,20 +394,47 @@ def test_native_generate_through_router():
         assert events[-1] == b"data: [DONE]" and b'"finish_reason": {"type": "length"' in events[-2]
 
 
-def test_pd_prefill_abort_frees_both_sides():
-    """A client abort on the prefill side after the prefill (KV waiting for the decode side) frees
-    the prefill's pages and fails the decode side's request, which frees its preallocation."""
+def test_pd_prefill_computes_nothing_before_the_decode_side_preallocated():
+    """Upstream's order (issue 33): a PD request waits in the prefill server's bootstrap queue,
+    holding no KV and computing nothing, until its decode server has preallocated its pages (the
+    old order prefilled at once and held the KV for a decode server that might never have room,
+    then failed it after 120 s). Then it runs and decodes the combined server's tokens."""
+    p, d, port = _pair()
+    room, ids = next(_rooms), _prompts(1, seed=17)[0]
+    want = _combined([ids], 8)
+    free = p.allocator.available_size()
+    p.add_request(_req("o0", ids, 8, room, port))
+    for _ in range(50):
+        p.step()
+    assert p.forward_ct == 0 and p.allocator.available_size() == free
+    assert room in p.bootstrap_queue and p.get_stats().num_prefill_bootstrap_queue_reqs == 1
+    d.add_request(_req("o0", ids, 8, room, port))
+    toks = []
+    for _ in range(2000):
+        if not (p.has_work() or d.has_work()):
+            break
+        p.step()
+        toks += [t for o in d.step() for t in o.new_token_ids]
+    assert [toks] == want and p.get_stats().num_prefill_bootstrap_queue_reqs == 0
+    _no_leak(p, d)
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_pd_prefill_abort_frees_both_sides(announced):
+    """A client abort on the prefill side while the request waits in its bootstrap queue fails the
+    decode side's request at once, which frees its preallocation -- whether the decode side's
+    Register was already read there (a Done error goes back) or arrives later (answered from
+    `pd_gone`)."""
     p, d, port = _pair()
     room = next(_rooms)
     ids = _prompts(1, seed=17)[0]
     p.add_request(_req("b0", ids, 20, room, port))
-    for _ in range(200):  # prefill, without the decode side registering yet
-        p.step()
-        if p.pd_waiting:
-            break
-    assert p.pd_waiting
     d.add_request(_req("b0", ids, 20, room, port))
-    d.step()  # registers
+    d.step()  # handshake + register (preallocated)
+    assert room in d.pd_transfers
+    if announced:
+        _read_register(p, room)
+        assert room in p.bootstrap_queue
     outs = p.abort_request("b0")
     assert outs[0].finished_reason["type"] == "abort"
     finals = {}
@@ -407,6 +446,7 @@ def test_pd_prefill_abort_frees_both_sides():
             if o.finished_reason:
                 finals[o.rid] = o
     assert finals["b0"].finished_reason["type"] == "abort", finals
+    assert not d.pd_transfers and p.forward_ct == 0
     _no_leak(p, d)
 
 
@@ -420,7 +460,7 @@ def _abort_chunked_prefill(overlap: bool, by: str, at: str):
     p.add_request(_req("c0", ids, 20, room, port))
     d.add_request(_req("c0", ids, 20, room, port))
     d.step()  # registers (preallocated)
-    assert p.bootstrap.poll(5000)  # the Register is read by the next prefill step
+    _read_register(p, room)
     for _ in range((2 if at == "mid" else 4) - (0 if overlap else at == "last")):
         p.step()
     assert room in p.pd_regs
@@ -738,3 +778,31 @@ def test_decode_admission_reserves_growth_of_requests_in_transfer():
     assert 0 < len(admitted) < 12
     need = sum(len(r.origin_input_ids) + int(r.sampling_params.max_new_tokens * d.new_token_ratio) for r in admitted)
     assert need <= free0, (len(admitted), need, free0)
+
+
+def test_mooncake_backend_windows_thousands_of_ranges_and_recovers_after_a_failure():
+    """Issue 33: a write of more ranges than Mooncake's TCP lanes queue per peer (~1K) is submitted
+    MOONCAKE_MAX_INFLIGHT at a time, so it is not refused with "queue-full"; after a failed write
+    the engine is replaced (same registrations, same receiver session), and the next write to a
+    live peer moves every byte again -- no restart."""
+    from sglang.srt.disaggregation.transfer import MOONCAKE_MAX_INFLIGHT, MooncakeBackend, TransferError
+
+    a, b = MooncakeBackend(), MooncakeBackend()
+    n = 4 * 1024
+    assert n > 4 * MOONCAKE_MAX_INFLIGHT
+    src = torch.randint(0, 255, (n * 64,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    a.register_tensor(src)
+    b.register_tensor(dst)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(1)).tolist()
+    srcs, dsts, lens = [src.data_ptr() + 64 * i for i in range(n)], [dst.data_ptr() + 64 * j for j in perm], [64] * n
+    want = torch.empty_like(src).view(n, 64)
+    want[perm] = src.view(n, 64)
+    a.write(b.session_id, srcs, dsts, lens)
+    assert torch.equal(dst.view(n, 64), want)
+    with pytest.raises(TransferError):
+        a.write(f"127.0.0.1:{free_port()}", srcs[:8], dsts[:8], lens[:8])
+    assert a.resets == 1
+    dst.zero_()
+    a.write(b.session_id, srcs, dsts, lens)
+    assert torch.equal(dst.view(n, 64), want)

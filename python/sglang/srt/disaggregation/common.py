@@ -13,9 +13,13 @@ from sglang.srt.disaggregation.kv_layout import PoolsDesc, describe_pools
 from sglang.srt.disaggregation.transfer import TransferBackend, TransferWorker, create_backend
 from sglang.srt.utils.ipc import get_zmq_socket
 
-# Seconds a prefilled request waits for its decode server to register before it is failed (and
-# its pages freed); a decode-side abort waits this long for the prefill's answer before freeing.
+# Seconds a prefill request waits for any decode server to announce it (Handshake) before it fails;
+# a preallocated decode request waits this long for its KV (and an abort for the prefill's answer).
 BOOTSTRAP_TIMEOUT_S = float(os.environ.get("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "120"))
+# A PD scheduler whose step made no progress (requests wait for the other server, or for memory)
+# sleeps this long on its sockets -- the tokenizer's, the other server's messages, the transfer
+# thread's wake-up pipe -- instead of spinning; any of them ends the wait at once.
+STALL_POLL_MS = 50
 
 
 def local_host() -> str:
@@ -57,12 +61,12 @@ class TransferEndpoint:
     """This rank's transfer backend with every pool buffer registered; a sender's writes run on
     its `TransferWorker` thread."""
 
-    def __init__(self, backend_name: str, worker, sender: bool = False) -> None:
+    def __init__(self, backend_name: str, worker, sender: bool = False, on_done=None) -> None:
         self.desc: PoolsDesc = describe_pools(server_pools(worker))
         self.backend: TransferBackend = create_backend(backend_name, local_host())
         for t in self.desc.tensors:
             self.backend.register_tensor(t)
-        self.worker = TransferWorker(self.backend) if sender else None
+        self.worker = TransferWorker(self.backend, on_done) if sender else None
         self.bytes_moved = 0
         self.pages_moved = 0
         self.ops = 0

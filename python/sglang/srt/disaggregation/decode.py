@@ -1,9 +1,13 @@
 """The decode server's scheduler: receive a prompt's KV from a prefill server, then decode.
 
-A request with a `bootstrap_room` skips local prefill: when memory allows, its prompt's pages are
-preallocated (request slot + KV, like admission) and a `Register` goes to the prefill server. The
-request is committed -- KV length = prompt, first token = the prefill's, into `running` -- only when
-every prefill CP rank's `Done` has arrived. Until then its pages are not readable by any step.
+A request with a `bootstrap_room` skips local prefill (upstream's queues): on arrival a `Handshake`
+tells its prefill server a decode server has it; it waits in the prealloc queue (`pd_queue`, FCFS)
+until memory allows, then its prompt's pages are preallocated (request slot + KV, like admission)
+and a `Register` goes to the prefill server, which only then computes the prompt; it waits in the
+transfer queue (`pd_transfers`) until every prefill CP rank's `Done` has arrived, and is then
+committed -- KV length = prompt, first token = the prefill's, into `running`. Until then its pages
+are not readable by any step. A `Done` with an error (a failed transfer, the prefill side's abort
+or refusal) fails the request and frees its pages at once, in either queue.
 An abort here answers the client at once but keeps the pages until the prefill side has answered
 (or the bootstrap timeout passed), so no late write lands in pages another request reuses.
 A request retracted after its commit is recomputed here (plain prefill of prompt + outputs).
@@ -20,6 +24,7 @@ import zmq
 
 from sglang.srt.disaggregation.common import (
     BOOTSTRAP_TIMEOUT_S,
+    STALL_POLL_MS,
     PushSockets,
     TransferEndpoint,
     drain,
@@ -27,7 +32,7 @@ from sglang.srt.disaggregation.common import (
     set_spec_state,
 )
 from sglang.srt.disaggregation.kv_layout import bytes_per_page, request_pages
-from sglang.srt.disaggregation.messages import AbortRoom, Done, Register
+from sglang.srt.disaggregation.messages import AbortRoom, Done, Handshake, Register
 from sglang.srt.managers.io_struct import ReqOutput, TokenizedGenerateReqInput
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglang.srt.managers.scheduler import Scheduler
@@ -72,6 +77,9 @@ class DecodeScheduler(Scheduler):
         if req is not None:
             req.bootstrap_room = room
             req.pd_prefill_addr = f"tcp://{recv.bootstrap_host}:{recv.bootstrap_port}"
+            self.push.send(req.pd_prefill_addr, Handshake(room, self.notify_addr))
+        elif room is not None and outs:  # refused here: the prefill side drops it from its queue too
+            self.push.send(f"tcp://{recv.bootstrap_host}:{recv.bootstrap_port}", AbortRoom(room))
         return outs
 
     def abort_request(self, rid: str) -> list[ReqOutput]:
@@ -92,6 +100,12 @@ class DecodeScheduler(Scheduler):
     def has_work(self) -> bool:
         return super().has_work() or bool(self.pd_queue or self.pd_transfers)
 
+    def wake_sources(self) -> list:
+        return [self.notify]
+
+    def stall_timeout_ms(self) -> int:  # the prefill servers' messages wake it (`notify`)
+        return STALL_POLL_MS
+
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         # Requests whose KV comes from a prefill server never prefill here (a retracted one does).
         take = [r for r in self.waiting_queue if getattr(r, "bootstrap_room", None) is not None
@@ -104,36 +118,39 @@ class DecodeScheduler(Scheduler):
 
     # -- one iteration ------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
-        idle = not super().has_work() and not self.pd_queue and self.pd_transfers
-        self._poll(timeout_ms=5 if idle else 0)  # only waiting for KV: wait briefly, do not spin
-        self._prealloc()
+        events = self._poll()
+        events += self._prealloc()
         outs = super().step()
-        self._prealloc()  # requests moved out of the waiting queue this step
+        events += self._prealloc()  # requests moved out of the waiting queue this step
         outs, self.pd_out = self.pd_out + outs, []
+        self.last_step_progressed = self.last_step_progressed or bool(events or outs)
         return outs
 
-    def _prealloc(self) -> None:
+    def _prealloc(self) -> int:
+        """Preallocate the prealloc queue's head requests while memory allows; how many."""
+        done = 0
         while self.pd_queue:
             req = self.pd_queue[0]
             n, ps = len(req.origin_input_ids), self.page_size
             if len(self.running) + len(self.pd_transfers) >= self.max_running_requests:
-                return
+                return done
             if self.req_to_token_pool.available_size() == 0:
-                return
+                return done
             # Growth to keep free: the running requests', those whose KV is on the way (they run
             # next), and this one's -- else a burst of PD requests is admitted only to be retracted.
             reserve = self._reserved_for_running() + sum(
                 int(r.sampling_params.max_new_tokens * self.new_token_ratio)
                 for r in [st.req for st in self.pd_transfers.values()] + [req])
             if self.allocator.available_size() + self.tree_cache.evictable_size() - reserve < cdiv(n, ps) * ps:
-                return
+                return done
             req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
             req.kv_committed_len = req.kv_allocated_len = 0
             if self.alloc_kv([req], [0], [n], decode=False) is None:
                 self.req_to_token_pool.free(req.req_pool_idx)
                 req.req_pool_idx = None
-                return
+                return done
             self.pd_queue.pop(0)
+            done += 1
             if not req.admitted:
                 req.admitted = True
                 self.num_prompt_tokens += n
@@ -142,11 +159,18 @@ class DecodeScheduler(Scheduler):
                                                          self.pd.desc.meta, self.pd.desc.ptrs, pages.tolist(), n,
                                                          self._exported))
             self.pd_transfers[req.bootstrap_room] = _Transfer(req, req.pd_prefill_addr, time.monotonic())
+        return done
 
-    def _poll(self, timeout_ms: int = 0) -> None:
-        for d in drain(self.notify, timeout_ms):
+    def _poll(self) -> int:
+        """Apply the prefill servers' messages and the KV timeouts; how many there were."""
+        msgs = drain(self.notify)
+        for d in msgs:
+            if not isinstance(d, Done):
+                continue
             st = self.pd_transfers.get(d.room)
-            if st is None or not isinstance(d, Done):
+            if st is None:
+                if d.error is not None:
+                    self._fail_queued(d.room, d.error, d.status_code)
                 continue
             if d.error is not None:
                 if not st.aborting:
@@ -159,13 +183,26 @@ class DecodeScheduler(Scheduler):
             if len(st.dones) == d.cp_size:
                 self._commit(d.room)
         now = time.monotonic()
-        for room, st in list(self.pd_transfers.items()):
-            if now - st.started > BOOTSTRAP_TIMEOUT_S:
-                if not st.aborting:
-                    st.req.finished_reason = FINISH_ABORT(
-                        f"the prefill server did not send the KV within {BOOTSTRAP_TIMEOUT_S:.0f}s", 503)
-                    self.pd_out.append(self._make_output(st.req, []))
-                self._drop(room)
+        expired = [room for room, st in self.pd_transfers.items() if now - st.started > BOOTSTRAP_TIMEOUT_S]
+        for room in expired:
+            st = self.pd_transfers[room]
+            if not st.aborting:
+                st.req.finished_reason = FINISH_ABORT(
+                    f"the prefill server did not send the KV within {BOOTSTRAP_TIMEOUT_S:.0f}s", 503)
+                self.pd_out.append(self._make_output(st.req, []))
+            self._drop(room)
+        return len(msgs) + len(expired)
+
+    def _fail_queued(self, room: int, error: str, status: int) -> None:
+        """The prefill side dropped a request this side has not preallocated yet: fail it now."""
+        for queue in (self.pd_queue, self.waiting_queue):
+            for i, req in enumerate(queue):
+                if getattr(req, "bootstrap_room", None) == room and not getattr(req, "pd_done", False):
+                    del queue[i]
+                    logger.error("PD request %s failed on the prefill server: %s", req.rid, error)
+                    req.finished_reason = FINISH_ABORT(error, status)
+                    self.pd_out.append(self._make_output(req, []))
+                    return
 
     def _drop(self, room: int) -> None:
         st = self.pd_transfers.pop(room)
@@ -201,6 +238,8 @@ class DecodeScheduler(Scheduler):
 
     def get_stats(self):
         stats = super().get_stats()
+        stats.num_decode_prealloc_queue_reqs = len(self.pd_queue)
+        stats.num_decode_transfer_queue_reqs = len(self.pd_transfers)
         stats.disaggregation = {"mode": "decode", "bytes_received": self.pd_bytes, "pages_received": self.pd_pages,
                                 "bytes_per_page": bytes_per_page(self.pd.desc.meta), "committed": self.pd_committed,
                                 "queued": len(self.pd_queue), "transferring": len(self.pd_transfers)}

@@ -8,8 +8,19 @@ from sglang.srt.disaggregation.kv_layout import PoolsMeta
 
 
 @dataclass
+class Handshake:
+    """decode -> prefill rank 0, when the decode server receives the request (before it has memory
+    for it): a decode server will register `room`, so the prefill side keeps it queued past the
+    bootstrap timeout, and knows where to send a failure that happens before the Register."""
+
+    room: int
+    notify_addr: str
+
+
+@dataclass
 class Register:
-    """decode -> prefill rank 0 (rebroadcast to every CP rank): where room's KV goes."""
+    """decode -> prefill rank 0 (rebroadcast to every CP rank): the decode server preallocated room's
+    pages; only now does the prefill server compute the prompt."""
 
     room: int
     notify_addr: str  # the decode server's control PULL socket (tcp://host:port)
@@ -30,7 +41,8 @@ class AbortRoom:
 
 @dataclass
 class Done:
-    """prefill rank -> decode: this rank's pages of `room` are written (or it failed: `error`)."""
+    """prefill rank -> decode: this rank's pages of `room` are written (or it failed: `error`, which
+    may come before any Register: the decode side then drops the request from its queue)."""
 
     room: int
     rank: int

@@ -11,6 +11,13 @@ kind (decode replicas = data parallelism) are used round robin over every (prefi
 decode server that refuses the connection is skipped for the next one. No reachable decode server
 gives a 503, one that dies mid-request a 502, both with an OpenAI-style error body, and the other
 side's request is cancelled, which aborts it there and frees its slots.
+
+The client's body is forwarded byte for byte, with only the bootstrap fields appended (JSON's last
+duplicate key wins, so ours override any the client sent): the servers validate it and the router
+answers with what the server answered (status, body, content type), so bad input gets the
+servers' 400, not a router 500 (re-serialising failed on NaN and lone surrogates). A body the
+router cannot parse goes unchanged to a decode server, whose parser refuses it the same way.
+Unknown routes get OpenAI-shaped 404s; no error drops the keep-alive connection.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
@@ -67,38 +75,42 @@ class PDRouter:
         i, j = k % len(self.prefill_urls), k // len(self.prefill_urls) % len(self.decode_urls)
         return self.prefill_urls[i], self.decode_urls[j:] + self.decode_urls[:j], self.bootstrap_ports[i]
 
-    async def _send_decode(self, decodes: list[str], path: str, body: dict, fwd: dict) -> tuple[str, httpx.Response]:
+    async def _send_decode(self, decodes: list[str], path: str, body: bytes, fwd: dict) -> tuple[str, httpx.Response]:
         """Send to the first decode server that accepts the connection. One that refuses never saw the
         request, so the next may take it: the prefill server sends the KV to whichever registers."""
         for url in decodes[:-1]:
             try:
-                return url, await self.client.send(self.client.build_request("POST", url + path, json=body,
+                return url, await self.client.send(self.client.build_request("POST", url + path, content=body,
                                                                              headers=fwd), stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 logger.warning("decode server %s unreachable (%s): trying the next one", url, e)
         url = decodes[-1]
-        return url, await self.client.send(self.client.build_request("POST", url + path, json=body, headers=fwd),
-                                           stream=True)
+        return url, await self.client.send(self.client.build_request("POST", url + path, content=body,
+                                                                     headers=fwd), stream=True)
 
-    async def handle(self, path: str, body: dict, headers: dict) -> Response:
-        if body.get("n", 1) != 1:
-            return _error(400, "n > 1 is not supported by the PD router (one room per request)", "invalid_request_error")
-        if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int) \
-                or isinstance(body.get("text"), list) or isinstance(body.get("input_ids", [0])[0] if
-                                                                     body.get("input_ids") else 0, list):
-            return _error(400, "batched prompts are not supported by the PD router: send one request per prompt",
-                          "invalid_request_error")
-        prefill, decodes, bport = self.pick()
-        body = {**body, "bootstrap_host": urlparse(prefill).hostname, "bootstrap_port": bport,
-                "bootstrap_room": random.getrandbits(63)}
-        fwd = {k: v for k, v in headers.items() if k.lower() in ("authorization", "content-type")}
-        pre_body = {**body, "stream": False}
-        if "stream_options" in pre_body:
-            pre_body.pop("stream_options")
-        pre_task = asyncio.create_task(self.client.post(prefill + path, json=pre_body, headers=fwd))
-        stream = bool(body.get("stream"))
+    async def forward_unparsed(self, path: str, raw: bytes, headers: dict) -> Response:
+        """A body the router cannot parse: the decode server's own answer (its parser refuses it)."""
+        url = self.decode_urls[next(self._rr) % len(self.decode_urls)]
         try:
-            dec_task = asyncio.create_task(self._send_decode(decodes, path, body, fwd))
+            r = await self.client.post(url + path, content=raw, headers=_forwarded(headers))
+        except (httpx.HTTPError, OSError) as e:
+            return _error(502, f"decode server {url} failed: {type(e).__name__}: {e}")
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+    async def handle(self, path: str, raw: bytes, body: dict, headers: dict) -> Response:
+        refusal = _unsupported(body)
+        if refusal is not None:
+            return _error(400, refusal, "invalid_request_error")
+        prefill, decodes, bport = self.pick()
+        boot = {"bootstrap_host": urlparse(prefill).hostname, "bootstrap_port": bport,
+                "bootstrap_room": random.getrandbits(63)}
+        fwd = _forwarded(headers)
+        pre_extra = {**boot, "stream": False, **({"stream_options": None} if "stream_options" in body else {})}
+        pre_task = asyncio.create_task(self.client.post(prefill + path, content=_append_fields(raw, body, pre_extra),
+                                                        headers=fwd))
+        stream = body.get("stream") is True
+        try:
+            dec_task = asyncio.create_task(self._send_decode(decodes, path, _append_fields(raw, body, boot), fwd))
             done, _ = await asyncio.wait({pre_task, dec_task}, return_when=asyncio.FIRST_COMPLETED)
             if pre_task in done and dec_task not in done:
                 pre_err = _failed(pre_task)
@@ -120,9 +132,12 @@ class PDRouter:
                 return _error(502, f"decode server {decode} failed mid-response: {type(e).__name__}: {e}")
             finally:
                 await resp.aclose()
+            if resp.status_code != 200:  # the decode side refused it: cancel (abort) the prefill's copy
+                pre_task.cancel()
             await _settle(pre_task)
             return Response(data, resp.status_code, media_type=resp.headers.get("content-type"))
-        return StreamingResponse(self._relay(resp, pre_task, decode), media_type="text/event-stream")
+        return StreamingResponse(self._relay(resp, pre_task, decode),
+                                 media_type=resp.headers.get("content-type", "text/event-stream"))
 
     async def _relay(self, resp: httpx.Response, pre_task: asyncio.Task, decode: str):
         try:
@@ -136,6 +151,35 @@ class PDRouter:
         finally:
             await resp.aclose()
             await _settle(pre_task)
+
+
+def _forwarded(headers: dict) -> dict:
+    fwd = {k: v for k, v in headers.items() if k.lower() in ("authorization", "content-type")}
+    if not any(k.lower() == "content-type" for k in fwd):
+        fwd["content-type"] = "application/json"
+    return fwd
+
+
+def _unsupported(body: dict) -> str | None:
+    """Why the router cannot split this (valid-looking) request into one room, or None. Malformed
+    fields pass: the servers name them in their 400."""
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        return "n > 1 is not supported by the PD router (one room per request)"
+    prompt, ids = body.get("prompt"), body.get("input_ids")
+    if (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))) or isinstance(body.get("text"), list) \
+            or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        return "batched prompts are not supported by the PD router: send one request per prompt"
+    return None
+
+
+def _append_fields(raw: bytes, body: dict, fields: dict) -> bytes:
+    """The client's JSON object with `fields` appended before its closing brace; the rest of its
+    bytes stay as sent (no re-serialisation: NaN, escapes and numbers reach the server as is)."""
+    head = raw.rstrip()
+    assert head.endswith(b"}"), "a parsed JSON object ends with '}'"
+    extra = json.dumps(fields)[1:-1].encode()
+    return head[:-1] + (b"," if body else b"") + extra + b"}"
 
 
 def _failed(task: asyncio.Task) -> Response | None:
@@ -176,10 +220,10 @@ def create_app(router: PDRouter) -> FastAPI:
                 return _error(503, f"{url} is unreachable: {e}")
         return Response(status_code=200)
 
-    @app.exception_handler(Exception)
-    async def _crash(_request: Request, exc: Exception) -> Response:  # an OpenAI-style body, never a bare 500
-        logger.exception("router error")
-        return _error(500, f"router error: {type(exc).__name__}: {exc}")
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:  # unknown routes, wrong methods
+        message = f"{request.method} {request.url.path}: {exc.detail}" if exc.status_code in (404, 405) else exc.detail
+        return _error(exc.status_code, str(message), "invalid_request_error")
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -194,14 +238,23 @@ def create_app(router: PDRouter) -> FastAPI:
     for path in ROUTES:
         async def route(request: Request, _path: str = path) -> Response:
             try:
-                body = await request.json()
-            except ValueError:
-                return _error(400, "request body is not valid JSON", "invalid_request_error")
-            if not isinstance(body, dict):
-                return _error(400, "request body must be a JSON object", "invalid_request_error")
-            return await router.handle(_path, body, dict(request.headers))
+                return await _route(request, _path)
+            except Exception as e:  # noqa: BLE001 -- answered here: an app-level handler re-raises,
+                logger.exception("router error")  # which resets the client's keep-alive connection
+                return _error(500, f"router error: {type(e).__name__}: {e}")
 
         app.add_api_route(path, route, methods=["POST"])
+
+    async def _route(request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError):  # bad UTF-8 / JSON, too deep: the server's parser says why
+            body = None
+        if not isinstance(body, dict):
+            return await router.forward_unparsed(path, raw, dict(request.headers))
+        return await router.handle(path, raw, body, dict(request.headers))
+
     return app
 
 

@@ -8,7 +8,10 @@ synchronously and raises `TransferError` on failure (a dead peer), so the caller
 and fail the request instead of hanging.
 
 `TransferWorker` runs the writes on a thread of their own, so a scheduler never waits on the
-network: the engines release the GIL while they copy.
+network: the engines release the GIL while they copy. A write is idempotent (the same bytes to the
+same addresses), so a failed one is retried whole: backpressure (`TransferBusy`) until
+`BUSY_RETRY_S`, any other failure `TRANSFER_RETRIES` times, with exponential backoff; only then is
+it reported, and the caller frees both sides.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import bisect
 import contextlib
 import ctypes
 import itertools
+import logging
+import os
 import pickle
 import queue
 import threading
@@ -26,9 +31,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+logger = logging.getLogger(__name__)
+
+TRANSFER_RETRIES = int(os.environ.get("SGLANG_DISAGGREGATION_TRANSFER_RETRIES", "3"))
+BUSY_RETRY_S = float(os.environ.get("SGLANG_DISAGGREGATION_TRANSFER_BUSY_S", "60"))
+# Ranges one Mooncake write keeps submitted at once: its TCP lanes reject what exceeds their
+# per-peer queue ("TCP lane queue-full", ~1K) and can then stay wedged for that peer.
+MOONCAKE_MAX_INFLIGHT = int(os.environ.get("SGLANG_MOONCAKE_MAX_INFLIGHT", "256"))
+
 
 class TransferError(RuntimeError):
-    pass
+    """A write failed; it moved some, all or none of its bytes."""
+
+
+class TransferBusy(TransferError):
+    """Backpressure: the engine refused the write for now (a full queue); retry it later."""
 
 
 class TransferBackend(ABC):
@@ -58,9 +75,36 @@ _fake_ids = itertools.count()
 _fake_lock = threading.Lock()
 
 
+@dataclass
+class FakeFaults:
+    """Failures the fake backend injects (tests): the next `busy` writes raise TransferBusy (a full
+    queue), the next `fail` writes raise TransferError after copying half their ranges (a torn
+    write); `fail_always` fails every write."""
+
+    busy: int = 0
+    fail: int = 0
+    fail_always: bool = False
+    writes: int = 0  # attempted writes, failed ones included
+
+    def take(self) -> str | None:
+        with _fake_lock:
+            self.writes += 1
+            if self.busy > 0:
+                self.busy -= 1
+                return "busy"
+            if self.fail > 0 or self.fail_always:
+                self.fail = max(self.fail - 1, 0)
+                return "fail"
+        return None
+
+
+FAKE_FAULTS = FakeFaults()
+
+
 class FakeBackend(TransferBackend):
     """In-process endpoints (tests only): a write is a memmove, checked against the peer's
-    registered regions so a wrong address fails loudly instead of corrupting memory."""
+    registered regions so a wrong address fails loudly instead of corrupting memory; `FAKE_FAULTS`
+    injects backpressure and failures."""
 
     def __init__(self, hostname: str = "127.0.0.1") -> None:
         with _fake_lock:
@@ -78,10 +122,18 @@ class FakeBackend(TransferBackend):
         dst = _FAKE_PEERS.get(peer)
         if dst is None:
             raise TransferError(f"fake transfer peer {peer} is gone")
-        for s, d, n in zip(srcs, dsts, lens):
+        fault = FAKE_FAULTS.take()
+        if fault == "busy":
+            raise TransferBusy(f"fake transfer to {peer}: queue full")
+        ranges = list(zip(srcs, dsts, lens))
+        for i, (s, d, n) in enumerate(ranges):
+            if fault == "fail" and i >= len(ranges) // 2:
+                raise TransferError(f"fake transfer to {peer} failed after {i} of {len(ranges)} ranges")
             if not (self._check(s, n) and dst._check(d, n)):
                 raise TransferError(f"fake transfer of {n} bytes outside the registered regions")
             ctypes.memmove(d, s, n)
+        if fault == "fail":
+            raise TransferError(f"fake transfer to {peer} failed")
 
     def close(self) -> None:
         _FAKE_PEERS.pop(self.session_id, None)
@@ -89,7 +141,13 @@ class FakeBackend(TransferBackend):
 
 class MooncakeBackend(TransferBackend):
     """Mooncake Transfer Engine in P2P-handshake mode (no metadata server): the session id is
-    host:rpc_port; protocol tcp on CPU machines, rdma where NICs exist."""
+    host:rpc_port; protocol tcp on CPU machines, rdma where NICs exist.
+
+    A write keeps at most MOONCAKE_MAX_INFLIGHT ranges submitted (more overflow the TCP lanes'
+    per-peer queue). After a failed write the engine is replaced by a fresh one with the same
+    registrations: Mooncake 0.3.13's TCP lanes can stay wedged after a queue-full (every later write
+    to that peer fails, the decode server had to be restarted), and a fresh engine opens new lanes.
+    Only writers replace their engine, so a receiver's session id (sent in Register) never changes."""
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> None:
         try:
@@ -98,38 +156,68 @@ class MooncakeBackend(TransferBackend):
             raise ImportError("--disaggregation-transfer-backend mooncake needs the Mooncake transfer engine: "
                               "pip install mooncake-transfer-engine (mooncake-transfer-engine-non-cuda on CPU "
                               f"machines; it needs libibverbs1 librdmacm1 libnuma1) ({e})") from None
-        self.engine = TransferEngine()
-        rc = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        self._engine_cls, self._init = TransferEngine, (hostname, "P2PHANDSHAKE", protocol, device_name)
+        self.regions: list[tuple[int, int]] = []
+        self.resets = 0
+        self.engine = self._new_engine()
+        self.session_id = f"{hostname}:{self.engine.get_rpc_port()}"
+
+    def _new_engine(self):
+        engine = self._engine_cls()
+        rc = engine.initialize(*self._init)
         if rc != 0:
             raise RuntimeError(f"Mooncake TransferEngine.initialize failed ({rc})")
-        self.session_id = f"{hostname}:{self.engine.get_rpc_port()}"
+        for ptr, nbytes in self.regions:
+            if engine.register_memory(ptr, nbytes) != 0:
+                raise RuntimeError(f"Mooncake register_memory failed on a new engine ({ptr:#x}, {nbytes} bytes)")
+        return engine
 
     def register(self, ptr: int, nbytes: int) -> None:
         rc = self.engine.register_memory(ptr, nbytes)
         if rc != 0:
             raise RuntimeError(f"Mooncake register_memory failed ({rc})")
+        self.regions.append((ptr, nbytes))
+
+    def _reset(self) -> None:
+        """Destroy the engine (~1 s, wedged or not: its lanes close, so nothing it still holds can
+        land late in pages the decode side reuses once the failure is reported), then a new one."""
+        try:
+            engine = self._new_engine()
+        except RuntimeError as e:  # keep the old one: the next write fails and retries again
+            logger.error("Mooncake engine reset failed: %s", e)
+            return
+        old, self.engine, self.resets = self.engine, engine, self.resets + 1
+        del old
+        logger.warning("Mooncake transfer engine replaced after a failed write (%d so far)", self.resets)
 
     def write(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
-        """Submit every range, then poll with short naps. Mooncake's own waits
-        (batch_transfer_sync_write, get_batch_transfer_status) spin on a core for the whole copy,
-        which on a small host takes CPU from the engine's I/O threads that do the copy."""
+        """Submit the ranges, at most MOONCAKE_MAX_INFLIGHT at a time, and poll with short naps.
+        Mooncake's own waits (batch_transfer_sync_write, get_batch_transfer_status) spin on a core
+        for the whole copy, which on a small host takes CPU from the engine's I/O threads."""
         if not srcs:
             return
-        pending = []
-        for s, d, n in zip(srcs, dsts, lens):
-            bid = self.engine.transfer_submit_write(peer, s, d, n)
-            if bid in (0, -1, (1 << 64) - 1):
-                self._wait(pending, peer, deadline=time.monotonic() + 30.0)  # never free pages still being read
-                raise TransferError(f"Mooncake could not submit a transfer to {peer}")
-            pending.append(bid)
-        error = self._wait(pending, peer, deadline=time.monotonic() + 30.0 + sum(lens) / 1e9)  # like Mooncake's sync
+        error = self._submit_windowed(peer, list(zip(srcs, dsts, lens)), deadline=time.monotonic() + 30.0 +
+                                      sum(lens) / 1e9)  # like Mooncake's sync write
         if error:
+            self._reset()
             raise TransferError(error)
 
-    def _wait(self, pending: list[int], peer: str, deadline: float) -> str | None:
-        """Poll until every submitted range ended; the first failure's message, or None."""
-        error = None
-        while pending:
+    def _submit_windowed(self, peer: str, ranges: list[tuple[int, int, int]], deadline: float) -> str | None:
+        """The first failure's message, or None. After a failure nothing more is submitted, and what
+        was is waited for (never free pages still being read)."""
+        pending: list[int] = []
+        error, i = None, 0
+        while i < len(ranges) or pending:
+            while error is None and i < len(ranges) and len(pending) < MOONCAKE_MAX_INFLIGHT:
+                s, d, n = ranges[i]
+                bid = self.engine.transfer_submit_write(peer, s, d, n)
+                if bid in (0, -1, (1 << 64) - 1):
+                    error = f"Mooncake could not submit a transfer to {peer}"
+                    break
+                pending.append(bid)
+                i += 1
+            if error is not None:
+                i = len(ranges)
             left = []
             for bid in pending:
                 rc = self.engine.transfer_check_status(bid)  # 1 done, 0 running, -1 failed, -2 timed out
@@ -137,7 +225,7 @@ class MooncakeBackend(TransferBackend):
                     left.append(bid)
                 elif rc != 1:
                     error = error or f"Mooncake transfer to {peer} failed ({rc})"
-            pending[:] = left
+            pending = left
             if pending and time.monotonic() > deadline:
                 return error or f"Mooncake transfer to {peer} timed out"
             if pending:
@@ -243,7 +331,8 @@ class TransferTask:
     ready: object | None = None  # a CUDA event recorded after the forward that wrote the pages
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
-    seconds: float = 0.0  # inside backend.write
+    seconds: float = 0.0  # inside backend.write, retries included
+    retries: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -251,10 +340,12 @@ class TransferTask:
 
 
 class TransferWorker:
-    """A thread that runs a backend's writes in submission order."""
+    """A thread that runs a backend's writes in submission order, retrying failed ones (module
+    docstring); `on_done(task)` runs on this thread after each task ends (a scheduler's wake-up)."""
 
-    def __init__(self, backend: TransferBackend) -> None:
-        self.backend = backend
+    def __init__(self, backend: TransferBackend, on_done=None) -> None:
+        self.backend, self.on_done = backend, on_done
+        self.retries = 0  # writes retried, since start
         self._q: queue.SimpleQueue[TransferTask | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="pd-transfer", daemon=True)
         self._thread.start()
@@ -269,11 +360,34 @@ class TransferWorker:
                 if task.ready is not None:
                     task.ready.synchronize()
                 t0 = time.perf_counter()
-                self.backend.write(task.peer, task.srcs, task.dsts, task.lens)
+                self._write(task)
                 task.seconds = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 -- any failure fails this request, never the thread
                 task.error = f"{type(e).__name__}: {e}" if not isinstance(e, TransferError) else str(e)
             task.done.set()
+            if self.on_done is not None:
+                self.on_done(task)
+
+    def _write(self, task: TransferTask) -> None:
+        busy_until, failures = None, 0
+        while True:
+            try:
+                return self.backend.write(task.peer, task.srcs, task.dsts, task.lens)
+            except TransferError as e:
+                now = time.monotonic()
+                if isinstance(e, TransferBusy):
+                    busy_until = busy_until or now + BUSY_RETRY_S
+                    if now >= busy_until:
+                        raise TransferError(f"{e} (still busy after {BUSY_RETRY_S:.0f}s of retries)") from None
+                else:
+                    failures += 1
+                    if failures > TRANSFER_RETRIES:
+                        raise TransferError(f"{e} (after {TRANSFER_RETRIES} retries)") from None
+                task.retries += 1
+                self.retries += 1
+                log = logger.debug if isinstance(e, TransferBusy) else logger.warning
+                log("PD transfer for room %d failed (%s): retry %d", task.room, e, task.retries)
+                time.sleep(min(0.01 * 2 ** min(task.retries, 7), 1.0))
 
     def close(self) -> None:
         self._q.put(None)

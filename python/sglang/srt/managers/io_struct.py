@@ -69,6 +69,12 @@ class SchedulerStats:
     num_retracted_reqs: int = 0  # since start: requests a decode step that ran out of KV put back in the queue
     host_cached_tokens: int = 0  # HiCache: tokens whose KV has a committed host copy
     admission_stall: str | None = None  # why requests wait while nothing runs (the admission watchdog)
+    # PD queues (upstream's gauges): prefill -- waiting for the decode side's preallocation, being sent;
+    # decode -- waiting for KV memory, preallocated and waiting for the KV
+    num_prefill_bootstrap_queue_reqs: int = 0
+    num_prefill_inflight_queue_reqs: int = 0
+    num_decode_prealloc_queue_reqs: int = 0
+    num_decode_transfer_queue_reqs: int = 0
 
 
 @dataclass

@@ -53,6 +53,9 @@ from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+# A step that made no progress while requests wait (none fits): the loop waits this long on its
+# sockets (a message ends the wait) instead of stepping again at once. Short: nothing else wakes it.
+STALL_POLL_MS = 2
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
@@ -188,6 +191,16 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.running or self.chunked_req or self.grammar_manager.grammar_queue
                     or self.in_flight is not None)
+
+    def wake_sources(self) -> list:
+        """ZMQ sockets / file descriptors (rank 0's) whose input can unblock an idle or stalled
+        scheduler, besides the tokenizer's socket: the event loop sleeps on all of them together."""
+        return []
+
+    def stall_timeout_ms(self) -> int:
+        """How long the loop may wait after a step that made no progress while work remains
+        (`last_step_progressed`): a scheduler whose wake sources cover what it waits for sleeps longer."""
+        return STALL_POLL_MS
 
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:

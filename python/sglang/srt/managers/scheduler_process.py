@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000
 EVENT_POLL_MS = 2  # idle, but HiCache copies are still to be acknowledged
+WAKE = "wake"  # rank 0 saw input on one of the scheduler's wake sources: step, even when idle
 
 
 class Shutdown:
@@ -53,10 +54,18 @@ class SchedulerProcess:
             self.send_to_detokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args.detokenizer_ipc_name, False)
             self.send_to_tokenizer = get_zmq_socket(ctx, zmq.PUSH, port_args.tokenizer_ipc_name, False)
 
-    def recv_requests(self, block: bool, timeout_ms: int = IDLE_POLL_MS) -> list:
+    def recv_requests(self, block: bool, timeout_ms: int = IDLE_POLL_MS, wake_sources: list = ()) -> list:
+        """This iteration's messages (the same on every rank). Blocking sleeps until a message, input
+        on one of `wake_sources` (then WAKE is among the messages) or the timeout."""
         msgs = []
         if self.tp_rank == 0:
-            if block:
+            if block and wake_sources:
+                poller = zmq.Poller()
+                for src in (self.recv_from_tokenizer, *wake_sources):
+                    poller.register(src, zmq.POLLIN)
+                if any(src is not self.recv_from_tokenizer for src, _ in poller.poll(timeout_ms)):
+                    msgs.append(WAKE)
+            elif block:
                 self.recv_from_tokenizer.poll(timeout_ms)  # sleep until a message (or timeout)
             while True:
                 try:
@@ -70,6 +79,8 @@ class SchedulerProcess:
 
     def process(self, msg) -> list:
         s = self.scheduler
+        if msg == WAKE:
+            return []
         if isinstance(msg, TokenizedGenerateReqInput):
             return s.add_request(msg)
         if isinstance(msg, AbortReq):
@@ -91,22 +102,26 @@ class SchedulerProcess:
             self.send_to_detokenizer.send_pyobj(BatchTokenIDOut(outputs))
 
     def event_loop(self, stop: Callable[[], bool] = lambda: False) -> None:
-        """Serve until `stop()` (never, in the scheduler process; in-process test servers stop)."""
-        cache = self.scheduler.tree_cache
+        """Serve until `stop()` (never, in the scheduler process; in-process test servers stop).
+        Idle, or stalled (the last step did nothing while work remains: nothing fits, or requests
+        wait on another server), it sleeps on its sockets instead of stepping in a busy loop."""
+        s, cache = self.scheduler, self.scheduler.tree_cache
         while not stop():
             outputs = []
             copying = cache.has_pending_events()  # HiCache copies to acknowledge: poll for them
-            busy = self.scheduler.has_work()
+            busy = s.has_work()
+            timeout = s.stall_timeout_ms() if busy else IDLE_POLL_MS
             # Work that made no progress last time (requests waiting for KV, transfers): wait briefly
-            # on the socket instead of spinning a core.
-            msgs = self.recv_requests(block=not busy or not self.scheduler.last_step_progressed,
-                                      timeout_ms=EVENT_POLL_MS if copying or busy else IDLE_POLL_MS)
+            # on the socket and the scheduler's wake sources instead of spinning a core.
+            msgs = self.recv_requests(block=not busy or not s.last_step_progressed,
+                                      timeout_ms=min(timeout, EVENT_POLL_MS) if copying else timeout,
+                                      wake_sources=s.wake_sources() if self.tp_rank == 0 else ())
             if any(isinstance(m, Shutdown) for m in msgs):
                 return  # the server stopped taking requests and aborted those in flight first
             for msg in msgs:
                 outputs += self.process(msg)
-            if self.scheduler.has_work():  # (a message may have brought work)
-                outputs += self.scheduler.step()
+            if s.has_work() or WAKE in msgs:
+                outputs += s.step()
             elif copying:
                 cache.check_events()  # a backup that ended after the last step commits now, not at the next request
             self.ship(outputs)

@@ -61,6 +61,17 @@ class MetricsCollector:
         self.cache_hit_rate = g("sglang:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens")
         self.spec_accept_length = g("sglang:spec_accept_length", "Speculative decoding: tokens produced per "
                                     "request per verify step (1 = no draft accepted; 0 without speculation)")
+        # PD disaggregation's queues (upstream's names; 0 on servers of another mode)
+        self.pd_queues = {
+            "num_prefill_bootstrap_queue_reqs": g("sglang:num_prefill_bootstrap_queue_reqs", "PD prefill: requests "
+                                                  "waiting for their decode server to preallocate (no KV held)"),
+            "num_prefill_inflight_queue_reqs": g("sglang:num_prefill_inflight_queue_reqs", "PD prefill: prefilled "
+                                                 "requests whose KV is being sent"),
+            "num_decode_prealloc_queue_reqs": g("sglang:num_decode_prealloc_queue_reqs", "PD decode: requests "
+                                                "waiting for KV memory to preallocate"),
+            "num_decode_transfer_queue_reqs": g("sglang:num_decode_transfer_queue_reqs", "PD decode: preallocated "
+                                                "requests waiting for their KV"),
+        }
 
     def observe_request(self, prompt_tokens: int) -> None:
         self.num_requests.labels(**self.labels).inc()
@@ -96,6 +107,8 @@ class MetricsCollector:
         self.gen_throughput.labels(**self.labels).set(stats.gen_throughput)
         self.cache_hit_rate.labels(**self.labels).set(stats.cache_hit_rate)
         self.spec_accept_length.labels(**self.labels).set(stats.avg_spec_accept_length)
+        for name, gauge in self.pd_queues.items():
+            gauge.labels(**self.labels).set(getattr(stats, name))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

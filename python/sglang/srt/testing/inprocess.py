@@ -81,8 +81,11 @@ class InProcessServer(ServerClient):
                 "context_len": s.context_len, "page_size": s.page_size, "vocab_size": s.vocab_size,
                 "tokens_per_step": s.tp_worker.num_tokens_per_req,
                 "architecture": s.model_config.architecture}
-        self._tm = tm = TokenizerManager(sa, port_args, info)  # its asyncio sockets belong to this thread's loop
-        app = create_app(tm, sa, version=__version__)
+        from sglang.srt.metrics.collector import MetricsCollector
+
+        metrics = MetricsCollector(sa.served_model_name) if sa.enable_metrics else None  # as launch_server
+        self._tm = tm = TokenizerManager(sa, port_args, info, metrics)  # its asyncio sockets belong to this thread's loop
+        app = create_app(tm, sa, metrics, version=__version__)
         self._http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                    timeout_keep_alive=5))
         if not self._stop.is_set():  # stop() may have come while this was built

@@ -2,7 +2,7 @@
 # FP8 block weights on one GPU (issue 30): the FP8 tests compiled on the device, then the kernel
 # benchmarks against the in-run ceilings. JSON + plots under $OUT (default /tmp/fp8_out).
 #   bash scripts/fp8_gpu_check.sh            # tests + GEMM / MoE benchmarks (~5-8 min on an H100)
-#   bash scripts/fp8_gpu_check.sh e2e        # + bench_e2e_vs_hf.py's ours_fp8w side (once it is wired)
+#   bash scripts/fp8_gpu_check.sh e2e        # + bench_e2e_vs_hf.py's ours_fp8w side (--quantization fp8 vs bf16)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/fp8_out}"

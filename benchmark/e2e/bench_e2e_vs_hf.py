@@ -16,7 +16,8 @@ the marginal decode step ((time for 64 new tokens - time for 32) / 32), our engi
 step, and single-prompt prefill throughput. Medians of --repeats. JSON + a plot + a table.
 Our engine runs with the overlap scheduler (default), with --disable-overlap-schedule ("ours_sync",
 so the overlap ratio is measured side by side in the same run) and, as side "ours_fp8kv", with
---kv-cache-dtype fp8_e4m3. The median decode
+--kv-cache-dtype fp8_e4m3, and as "ours_fp8w" with FP8 block weights (--quantization fp8: the bf16
+dummy weights quantised at load). The median decode
 step is the wall time of one scheduler iteration with no device sync between iterations (a sync
 would serialise the overlap it measures).
 
@@ -73,7 +74,7 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def run_ours(args, path: str, overlap: bool = True, kv_cache_dtype: str = "auto") -> dict:
+def run_ours(args, path: str, overlap: bool = True, kv_cache_dtype: str = "auto", quantization: str | None = None) -> dict:
     from sglang.srt.entrypoints.engine import Engine
 
     max_bs = max(args.batch_sizes)
@@ -82,7 +83,8 @@ def run_ours(args, path: str, overlap: bool = True, kv_cache_dtype: str = "auto"
                     context_length=ctx, max_running_requests=max_bs, cuda_graph_max_bs=max_bs,
                     disable_radix_cache=True, random_seed=0, disable_overlap_schedule=not overlap,
                     **({} if args.chunked_prefill_size is None else {"chunked_prefill_size": args.chunked_prefill_size}),
-                    **({} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}))
+                    **({} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}),
+                    **({} if quantization is None else {"quantization": quantization}))
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -285,7 +287,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--sides", default="ours,ours_sync,hf,hf_eager",
-                   help="of ours, ours_sync, ours_fp8kv, hf (default attention), hf_eager")
+                   help="of ours, ours_sync, ours_fp8kv, ours_fp8w, hf (default attention), hf_eager")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not speed)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--side", help=argparse.SUPPRESS)
@@ -305,7 +307,8 @@ def main() -> None:
             res = run_hf(args, args.path, "eager" if args.side == "hf_eager" else None)
         else:
             res = run_ours(args, args.path, args.side != "ours_sync",
-                           "fp8_e4m3" if args.side == "ours_fp8kv" else "auto")
+                           "fp8_e4m3" if args.side == "ours_fp8kv" else "auto",
+                           "fp8" if args.side == "ours_fp8w" else None)
         print("RESULT " + json.dumps(res))
         return
     overrides = {} if args.experts is None else moe_overrides(args.shape, args.experts, args.smoke)
@@ -350,6 +353,11 @@ def main() -> None:
     if "ours_fp8kv" in result and "ours" in result:
         for bs, row in result["ours_fp8kv"]["generate"].items():
             ratios[f"fp8kv_generate_bs{bs}"] = row["tok_s"] / result["ours"]["generate"][bs]["tok_s"]
+    if "ours_fp8w" in result and "ours" in result:  # FP8 block weights (--quantization fp8) vs bf16
+        for bs, row in result["ours_fp8w"]["generate"].items():
+            ratios[f"fp8w_generate_bs{bs}"] = row["tok_s"] / result["ours"]["generate"][bs]["tok_s"]
+        for n, row in result["ours_fp8w"]["prefill"].items():
+            ratios[f"fp8w_prefill_{n}"] = row["tok_s"] / result["ours"]["prefill"][n]["tok_s"]
     if "ours_sync" in result and "ours" in result:
         for bs, row in result["ours"]["generate"].items():
             sync = result["ours_sync"]["generate"][bs]

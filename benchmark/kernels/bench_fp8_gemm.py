@@ -52,6 +52,8 @@ sys.path.insert(0, str(REPO / "sgl-kernel"))
 sys.path.insert(0, str(REPO / "benchmark" / "kernels"))
 
 import torch  # noqa: E402
+
+from sglang.bench_plot import import_pyplot  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_kernel.fp8_gemm import (  # noqa: E402
@@ -142,13 +144,8 @@ def batch_invariance(device: str, gen) -> bool:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = import_pyplot(path)
+    if plt is None:
         return
     rows = [r for r in result["rows"] if not r.get("sweep")]
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4))

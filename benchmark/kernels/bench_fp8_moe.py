@@ -43,6 +43,8 @@ sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "benchmark" / "kernels"))
 
 import torch  # noqa: E402
+
+from sglang.bench_plot import import_pyplot  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_kernel import moe  # noqa: E402
@@ -146,13 +148,8 @@ def batch_invariant(shape: dict, w: dict, device: str, gen) -> bool:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = import_pyplot(path)
+    if plt is None:
         return
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))

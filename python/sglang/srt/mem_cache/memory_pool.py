@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.index_k_format import (
     num_scale_blocks,
     quantize_fp8_per_block,
 )
+from sglang.srt.utils.common import upload
 
 
 class ReqToTokenPool:
@@ -118,9 +119,7 @@ class ReqToTokenPool:
         self._pending.clear()
         self._pending_tokens.clear()
         packed = torch.stack([rows, cols, vals])
-        if torch.cuda.is_available():
-            packed = packed.pin_memory()
-        dev = packed.to(self.req_to_token.device, non_blocking=True).long()
+        dev = upload(packed, self.req_to_token.device).long()
         self.req_to_token[dev[0], dev[1]] = dev[2].to(torch.int32)
 
     def clear(self) -> None:

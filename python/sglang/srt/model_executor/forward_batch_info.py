@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sglang.srt.utils.common import upload
+
 if TYPE_CHECKING:
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -158,8 +160,7 @@ class ForwardBatch:
             if rows[name].numel() != t:
                 raise ValueError(f"{name} has {rows[name].numel()} entries for {t} tokens")
         packed = torch.cat([rows[n].to("cpu", torch.int64) for n in _TOKEN_FIELDS + _REQ_FIELDS])
-        if torch.device(device).type == "cuda":
-            packed = packed.pin_memory().to(device, non_blocking=True)
+        packed = upload(packed, device)  # the step's one host->device copy
         parts = dict(zip(_TOKEN_FIELDS + _REQ_FIELDS, packed.split([t] * 4 + [b] * 5)))
         return cls(
             forward_mode=forward_mode,

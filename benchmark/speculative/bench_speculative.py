@@ -133,7 +133,15 @@ def run(args) -> dict:
     if args.tokenizer_path:
         common["tokenizer_path"] = args.tokenizer_path
     plain = Engine(**common)
-    spec = Engine(**common, speculative_algorithm="EAGLE", speculative_num_steps=args.num_steps)
+    token_map = args.speculative_token_map
+    if token_map is None and args.hot_vocab:
+        # a stand-in for a frequency ranking (FR-Spec): the lowest ids (BPE merges come roughly in
+        # frequency order); forced drafts do not depend on it, natural ones may accept less
+        token_map = os.path.join(args.out_dir, f"hot_{args.hot_vocab}.pt")
+        os.makedirs(args.out_dir, exist_ok=True)
+        torch.save(torch.arange(min(args.hot_vocab, plain.model_config.vocab_size)), token_map)
+    spec = Engine(**common, speculative_algorithm="EAGLE", speculative_num_steps=args.num_steps,
+                  speculative_token_map=token_map)
     worker = spec.scheduler.tp_worker
     vocab = plain.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -210,6 +218,9 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-steps", type=int, default=3)
+    p.add_argument("--speculative-token-map", default=None, help="FR-Spec hot-token file for the draft's lm_head")
+    p.add_argument("--hot-vocab", type=int, default=0,
+                   help="without a token map: draft over the K lowest token ids (FR-Spec stand-in); 0 = full vocab")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=48)
@@ -230,11 +241,12 @@ def main() -> None:
                                                                 num_nextn_predict_layers=1)
         args.load_format = "dummy"
     result = {"model": args.model_path, "layers": args.layers, "experts": args.experts if args.layers else None,
-              "deterministic": args.deterministic, "num_steps": args.num_steps, "prompt_len": args.prompt_len,
+              "deterministic": args.deterministic, "num_steps": args.num_steps,
+              "speculative_token_map": args.speculative_token_map, "hot_vocab": args.hot_vocab, "prompt_len": args.prompt_len,
               "gen_len": args.gen_len, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "date": time.strftime("%Y-%m-%d"), **run(args)}
     os.makedirs(args.out_dir, exist_ok=True)
-    tag = f"_{args.layers}l{args.experts}e" if args.layers else ""
+    tag = (f"_{args.layers}l{args.experts}e" if args.layers else "") + (f"_hot{args.hot_vocab}" if args.hot_vocab else "")
     stem = os.path.join(args.out_dir, f"speculative_{args.device}{tag}" + ("_det" if args.deterministic else "")
                         + ("_smoke" if args.smoke else ""))
     with open(stem + ".json", "w") as f:

@@ -358,6 +358,69 @@ def test_retraction_under_a_small_pool():
     _whole(spec)
 
 
+def _recording(drafts_seen: list):
+    """A draft_override that keeps the drafts it is shown (and verifies them unchanged)."""
+    def override(reqs, drafts, kv_lens):
+        drafts_seen.append(drafts.cpu().clone())
+        return drafts
+    return override
+
+
+def test_token_map_drafts_hot_tokens_only_and_output_equals_plain(tmp_path):
+    """FR-Spec (--speculative-token-map): the draft's head over the hot tokens. A map that holds
+    every token the full head drafted gives the same drafts; a map of other tokens drafts only
+    those; plain decoding's output either way."""
+    prompts = _prompts(3)
+    params = [{"temperature": 0, "max_new_tokens": 8 + 4 * i, "ignore_eos": True} for i in range(3)]
+    ref = [_key(o) for o in _engine(False).generate(input_ids=prompts, sampling_params=params,
+                                                    return_logprob=True)]
+    full_drafts: list = []
+    spec = _engine(True)
+    spec.scheduler.tp_worker.draft_override = _recording(full_drafts)
+    assert [_key(o) for o in spec.generate(input_ids=prompts, sampling_params=params, return_logprob=True)] == ref
+    seen = sorted({int(t) for d in full_drafts for t in d.flatten()})
+    vocab = spec.scheduler.tp_worker.vocab_size
+    spec.shutdown()
+    cold = [t for t in range(vocab) if t not in seen]
+    for name, hot in (("superset", seen + cold[::7]), ("disjoint", cold[: max(8, vocab // 16)])):
+        path = tmp_path / f"{name}.pt"
+        torch.save(torch.tensor(hot[::-1]), path)  # any order: the map's, not the vocabulary's
+        drafts: list = []
+        eng = _engine(True, speculative_token_map=str(path))
+        worker = eng.scheduler.tp_worker
+        assert worker.draft_runner.model.lm_head.weight.shape[0] == len(hot)
+        worker.draft_override = _recording(drafts)
+        assert [_key(o) for o in eng.generate(input_ids=prompts, sampling_params=params,
+                                              return_logprob=True)] == ref, name
+        if name == "superset":  # the full head's argmax is hot: the same drafts, step by step
+            assert len(drafts) == len(full_drafts)
+            assert all(torch.equal(a, b) for a, b in zip(drafts, full_drafts))
+        else:
+            assert {int(t) for d in drafts for t in d.flatten()} <= set(hot)
+        _whole(eng)
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("content,match", [
+    ("[1, 2, 2]", "repeats token ids"),
+    ("[]", "holds no token ids"),
+    ("[3, 99999999]", "outside the vocabulary"),
+    ("not a list", "could not read token ids"),
+])
+def test_bad_token_map_names_the_flag(tmp_path, content, match):
+    path = tmp_path / "map.json"
+    path.write_text(content)
+    with pytest.raises(ServerArgsError, match=match) as e:
+        _engine(True, speculative_token_map=str(path))
+    assert e.value.flag == "speculative_token_map"
+    with pytest.raises(ServerArgsError, match="no such file") as e:
+        ServerArgs.from_kwargs(model_path=MODEL, speculative_algorithm="EAGLE",
+                               speculative_token_map=str(tmp_path / "missing.pt")).resolve()
+    assert e.value.flag == "speculative_token_map"
+    with pytest.raises(ServerArgsError, match="needs --speculative-algorithm"):
+        ServerArgs.from_kwargs(model_path=MODEL, speculative_token_map=str(path)).resolve()
+
+
 @pytest.mark.parametrize("kw,flag", [
     (dict(speculative_eagle_topk=2), "speculative_eagle_topk"),
     (dict(speculative_num_draft_tokens=7), "speculative_num_draft_tokens"),

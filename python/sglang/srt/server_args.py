@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -231,6 +232,9 @@ class ServerArgs:
                                      "speculative")
     speculative_num_draft_tokens: int | None = _f(None, "Tokens the target verifies per step (default and only "
                                                   "value with topk 1: num_steps + 1).", "speculative")
+    speculative_token_map: str | None = _f(None, "FR-Spec: a file of hot token ids (.pt tensor/list, .json list or "
+                                           "text); the draft's lm_head projects onto those tokens only (cheaper "
+                                           "draft steps; output unchanged, acceptance may drop).", "speculative")
 
     # -- PD disaggregation (upstream's names) ---------------------------------------------------
     disaggregation_mode: str = _f("null", "Prefill/decode disaggregation: prefill (compute prompts, send their KV "
@@ -505,7 +509,7 @@ _VALIDATORS.append(_check_endpoints)
 
 def _check_speculative(args: ServerArgs) -> None:
     if args.speculative_algorithm is None:
-        for name in ("speculative_draft_model_path", "speculative_num_draft_tokens"):
+        for name in ("speculative_draft_model_path", "speculative_num_draft_tokens", "speculative_token_map"):
             if getattr(args, name) is not None:
                 raise ServerArgsError(name, "needs --speculative-algorithm")
         return
@@ -522,6 +526,8 @@ def _check_speculative(args: ServerArgs) -> None:
     if args.enable_mixed_chunk:
         raise ServerArgsError("enable_mixed_chunk", "is not supported with --speculative-algorithm (a verify step "
                               "computes several rows per decoding request)")
+    if args.speculative_token_map is not None and not os.path.isfile(args.speculative_token_map):
+        raise ServerArgsError("speculative_token_map", f"no such file: {args.speculative_token_map}")
 
 
 _VALIDATORS.append(_check_speculative)

@@ -19,6 +19,7 @@ from typing import Callable
 
 import psutil
 import torch
+from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
@@ -84,10 +85,13 @@ class ModelRunner:
                  tp_group: GroupCoordinator = SINGLE_GROUP, *, req_to_token_pool: ReqToTokenPool | None = None,
                  token_to_kv_pool_allocator=None, max_total_num_tokens: int | None = None,
                  extra_kv_bytes_per_token: int = 0, graph_specs: tuple | None = None,
-                 extra_weight_bytes: int = 0, extra_reserve_bytes: int = 0) -> None:
+                 extra_weight_bytes: int = 0, extra_reserve_bytes: int = 0,
+                 model_hook: Callable[[nn.Module], None] | None = None) -> None:
         """`tp_group`: all ranks of this server. Under context parallel (CP) attention runs CP over
         them with replicated weights, so the model's TP group is a single rank. `graph_specs`: the
-        forwards to capture in CUDA graphs (default: decode)."""
+        forwards to capture in CUDA graphs (default: decode). `model_hook(model)`: runs once the
+        weights are loaded, before memory is planned and graphs are captured (a draft's hot-token
+        head)."""
         sa = server_args
         self.model_config, self.server_args, self.world_group = model_config, sa, tp_group
         self.cp_group = tp_group if sa.enable_nsa_prefill_context_parallel and tp_group.world_size > 1 else None
@@ -107,6 +111,8 @@ class ModelRunner:
         self.model = get_model(model_config, self.device, self.tp_group, sa.load_format, sa.quantization,
                                sa.dequantize_fp8_weights, sa.fp8_activation_dtype, **parallel)
         set_moe_runner_backend(self.model, sa.moe_runner_backend)
+        if model_hook is not None:
+            model_hook(self.model)
         self.weight_bytes = _device_allocated(self.device) - loaded_before  # as loaded: any dtype
         self.sampler = Sampler()
         self.init_memory_pool(req_to_token_pool, token_to_kv_pool_allocator, max_total_num_tokens,

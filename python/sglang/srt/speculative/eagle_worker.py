@@ -63,6 +63,7 @@ from sglang.srt.model_executor.memory_plan import draft_memory_needs
 from sglang.srt.model_executor.model_runner import ModelRunner, kv_bytes_per_token
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.speculative.token_map import HotTokenHead, draft_token_ids, load_token_map
 from sglang.srt.utils.common import upload
 
 
@@ -120,13 +121,21 @@ class EAGLEWorker:
                                     graph_specs=(target_verify_spec(model_config, self.num_tokens_per_req),),
                                     extra_weight_bytes=draft_weights, extra_reserve_bytes=draft_graphs)
         t = self.target.model_runner
+        self.device = sa.device
+        # FR-Spec: the draft projects onto the hot tokens only (swapped in before graph capture).
+        self.hot_token_id = None
+        hook = None
+        if sa.speculative_token_map is not None:
+            self.hot_token_id = load_token_map(sa.speculative_token_map, model_config.vocab_size).to(self.device)
+
+            def hook(model) -> None:
+                model.lm_head = HotTokenHead.from_lm_head(model.lm_head, self.hot_token_id)
         # The draft's decode steps replay CUDA graphs of their own spec (hidden states in and out).
         self.draft_runner = ModelRunner(self.draft_config, sa, tp_group,
                                         req_to_token_pool=t.req_to_token_pool,
                                         token_to_kv_pool_allocator=t.token_to_kv_pool_allocator,
                                         max_total_num_tokens=t.max_total_num_tokens,
-                                        graph_specs=(draft_decode_spec(self.draft_config),))
-        self.device = sa.device
+                                        graph_specs=(draft_decode_spec(self.draft_config),), model_hook=hook)
         self.cp = t.cp_group is not None
         # Overlap: a step's positions come from the device (kv_len), except under CP, whose split
         # and views are planned on the host from exact lengths.
@@ -216,7 +225,7 @@ class EAGLEWorker:
         fb.input_ids = self.token_table.resolve(fb.input_ids, fb.req_pool_indices[fb.token_to_req])
         self._set_host_ids(fb)
         lo = self.draft_runner.forward(fb)
-        self.next_draft[fb.req_pool_indices] = lo.next_token_logits.argmax(dim=-1)
+        self.next_draft[fb.req_pool_indices] = draft_token_ids(lo.next_token_logits, self.hot_token_id)
         self.draft_hidden[fb.req_pool_indices] = lo.hidden_states.to(self.draft_hidden.dtype)
 
     # -- decode ---------------------------------------------------------------------------------------
@@ -236,7 +245,7 @@ class EAGLEWorker:
         drafts, hidden = [self.next_draft[slots]], self.draft_hidden[slots]
         for k in range(1, self.num_steps):
             lo = self.draft_runner.forward(chain_batch(k, drafts[-1], hidden))
-            drafts.append(lo.next_token_logits.argmax(dim=-1))
+            drafts.append(draft_token_ids(lo.next_token_logits, self.hot_token_id))
             hidden = lo.hidden_states
         drafts = torch.stack(drafts, dim=1)
         if self.draft_override is not None:
@@ -293,7 +302,7 @@ class EAGLEWorker:
                                             spec_hidden_states=lo.hidden_states, spec_topk_indices=lo.topk_indices)
         fb.logits_row_indices = torch.arange(b, device=dev) * n + accepted
         dlo = self.draft_runner.forward(fb)
-        self.next_draft[slots] = dlo.next_token_logits.argmax(dim=-1)
+        self.next_draft[slots] = draft_token_ids(dlo.next_token_logits, self.hot_token_id)
         self.draft_hidden[slots] = dlo.hidden_states.to(self.draft_hidden.dtype)
         self.kv_len[slots] = base + accepted + 1
         return SpecDecodeOutput(self, batch, n, picks, accepted, sample, lo.hidden_states)

@@ -18,15 +18,16 @@ import torch
 from torch import nn
 
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-from sglang.srt.utils.common import upload
+from sglang.srt.utils.common import copies_done_event, to_host_async, upload
 
 
 @dataclass
 class SamplerOutput:
     next_token_ids: torch.Tensor  # [B] int64
     next_token_logprobs: torch.Tensor | None = None  # [B] fp32
-    # Per request: (values, ids) of its top-N logprobs, N = top_logprobs_nums[i] (may be 0).
-    top_logprobs: list[tuple[list[float], list[int]]] | None = None
+    # Per request: (values, ids) of its top-N logprobs, N = top_logprobs_nums[i] (may be 0),
+    # on their way to the host (read with .rows() once the step's copies are done).
+    top_logprobs: "TopLogprobs | None" = None
 
 
 class Sampler(nn.Module):
@@ -135,10 +136,26 @@ def _uniforms(info: SamplingBatchInfo, bs: int, device: torch.device) -> torch.T
     return torch.where(info.seeded_mask.to(device), seeded_u, torch.rand(bs, device=device))
 
 
-def _top_logprobs(logprobs: torch.Tensor, nums: list[int]) -> list[tuple[list[float], list[int]]]:
+class TopLogprobs:
+    """A step's top-N logprobs per request: the [B, k] values / ids queued to the host with the
+    step's other outputs (no sync in the sampler); `rows()` reads them once those copies are done."""
+
+    def __init__(self, vals: torch.Tensor, ids: torch.Tensor, nums: list[int]) -> None:
+        self.nums = nums
+        self._vals, self._ids = to_host_async(vals), to_host_async(ids)
+        self._done = copies_done_event(vals)
+        self._rows: list[tuple[list[float], list[int]]] | None = None
+
+    def rows(self) -> list[tuple[list[float], list[int]]]:
+        if self._rows is None:
+            if self._done is not None:
+                self._done.synchronize()
+            v, i = self._vals.tolist(), self._ids.tolist()
+            self._rows = [(v[r][:n], i[r][:n]) for r, n in enumerate(self.nums)]
+        return self._rows
+
+
+def _top_logprobs(logprobs: torch.Tensor, nums: list[int]) -> TopLogprobs:
     k = min(max(nums, default=0), logprobs.shape[-1])
-    if k <= 0:
-        return [([], []) for _ in nums]
-    vals, ids = logprobs.topk(k, dim=-1)
-    vals, ids = vals.tolist(), ids.tolist()
-    return [(vals[i][:n], ids[i][:n]) for i, n in enumerate(nums)]
+    vals, ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long())
+    return TopLogprobs(vals, ids, nums)

@@ -19,7 +19,7 @@ import torch
 from sglang.srt.managers.io_struct import ReqOutput
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ScheduleBatch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-from sglang.srt.utils.common import upload
+from sglang.srt.utils.common import copies_done_event, to_host_async, upload
 
 
 @dataclass
@@ -76,25 +76,6 @@ class GenerationBatchResult:
             off += c
 
 
-def to_host_async(t: torch.Tensor) -> torch.Tensor:
-    """Queue a device->host copy into pinned memory (a no-op on CPU)."""
-    if t.device.type == "cpu":
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
-
-
-def copies_done_event(t: torch.Tensor) -> "torch.cuda.Event | None":
-    """An event recorded after the copies queued so far (None on CPU, where they are done):
-    `to_host()` of a launched step waits on it, never on the whole device."""
-    if t.device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
 class BatchOutputCopy:
     """A launched step's outputs on their way to the host. The constructor only queues copies
     (no host sync, so the scheduler can prepare the next step meanwhile); `to_host()` waits for
@@ -123,7 +104,7 @@ class BatchOutputCopy:
         if self.logprobs is not None:
             res.next_token_logprobs = [[v] for v in self.logprobs.tolist()]
             if sample.top_logprobs is not None:
-                res.next_top_logprobs = [[list(zip(v, t))] for v, t in sample.top_logprobs]
+                res.next_top_logprobs = [[list(zip(v, t))] for v, t in sample.top_logprobs.rows()]
         if fb.return_logprob and fb.forward_mode.is_extend():
             res._input_logprobs(batch, fb, self.logits_output)
         return res

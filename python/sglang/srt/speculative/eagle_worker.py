@@ -50,12 +50,7 @@ from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.managers.overlap_utils import FUTURE_TOKEN, Pending
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.scheduler_output_processor import (
-    BatchOutputCopy,
-    GenerationBatchResult,
-    copies_done_event,
-    to_host_async,
-)
+from sglang.srt.managers.scheduler_output_processor import BatchOutputCopy, GenerationBatchResult
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.model_executor.cuda_graph_runner import GraphSpec, StaticInput
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
@@ -64,7 +59,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner, kv_bytes_per_tok
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.srt.speculative.token_map import HotTokenHead, draft_token_ids, load_token_map
-from sglang.srt.utils.common import upload
+from sglang.srt.utils.common import copies_done_event, to_host_async, upload
 
 
 def draft_model_config(server_args: ServerArgs) -> ModelConfig:
@@ -416,6 +411,7 @@ class SpecDecodeOutput:
             lps = self.logprobs.view(self.b, n).tolist()
             res.next_token_logprobs = [lps[i][: a + 1] for i, a in enumerate(acc)]
             if self.top_logprobs is not None:
-                res.next_top_logprobs = [[list(zip(*self.top_logprobs[i * n + j])) for j in range(a + 1)]
+                tops = self.top_logprobs.rows()
+                res.next_top_logprobs = [[list(zip(*tops[i * n + j])) for j in range(a + 1)]
                                          for i, a in enumerate(acc)]
         return res

@@ -70,7 +70,7 @@ class RandomAcceptWorker:
                 if sample.next_token_logprobs is not None:
                     logprobs[i].append(float(sample.next_token_logprobs[pos]))
                     if sample.top_logprobs is not None:
-                        v, t = sample.top_logprobs[pos]
+                        v, t = sample.top_logprobs.rows()[pos]
                         tops[i].append(list(zip(v, t)))
         self.inner.token_table.store(slots, cur)
         res = GenerationBatchResult(next_token_ids=tokens, accept_lens=ks)

@@ -58,3 +58,23 @@ def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if dev.type != "cuda" or host.device.type != "cpu":
         return host.to(dev)
     return host.pin_memory().to(dev, non_blocking=True)
+
+
+def to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """Queue a device->host copy into pinned memory (a no-op on CPU): `upload`'s other direction.
+    Read it only after an event recorded behind the copy (copies_done_event) has completed."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def copies_done_event(t: torch.Tensor) -> "torch.cuda.Event | None":
+    """An event recorded after the copies queued so far (None on CPU, where they are done):
+    `to_host()` of a launched step waits on it, never on the whole device."""
+    if t.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

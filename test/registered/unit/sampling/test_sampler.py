@@ -307,7 +307,7 @@ def test_logprobs_are_log_softmax_of_penalised_logits():
     torch.testing.assert_close(out.next_token_logprobs, ref.gather(1, out.next_token_ids.view(-1, 1)).view(-1))
     assert out.next_token_logprobs.dtype == torch.float32
     for i, n in enumerate(nums):
-        vals, ids = out.top_logprobs[i]
+        vals, ids = out.top_logprobs.rows()[i]
         rv, ri = ref[i].topk(n) if n else (torch.empty(0), torch.empty(0, dtype=torch.int64))
         assert ids == ri.tolist() and len(vals) == n
         torch.testing.assert_close(torch.tensor(vals), rv)

@@ -24,9 +24,11 @@ H, C, R, K_TOP = 128, 512, 64, 2048  # V3.2 MLA heads, latent, rope, index_topk
 IH, ID = 64, 128  # indexer heads, head dim
 
 
-def _bench(fn, device: str) -> float:
-    """Median ms."""
+def _bench(fn, device: str, graph: bool = False) -> float:
+    """Median ms (graph: replays of a CUDA graph of fn, how decode runs; None off CUDA)."""
     if device != "cuda":
+        if graph:
+            return None
         import time
 
         fn()
@@ -35,7 +37,19 @@ def _bench(fn, device: str) -> float:
         return (time.perf_counter() - t0) * 1e3
     import triton.testing
 
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+# Decode candidates: the serving tile (triton_backend.MLA_DECODE), then the tile before issue 31
+# ("v1": 32 heads x 64 keys, 4 warps: spilled, mma.sync), then another candidate. Each is timed at
+# the split of split_keys_for (fixed by index_topk: batch-invariant) and over SPLIT_SWEEP (other
+# fixed splits, to show the batch 1 / batch 64 trade-off: more splits fill the GPU at batch 1 and
+# cost partial-output traffic at batch 64).
+DECODE_TILES = {"serving": None, "v1": dict(block_h=32, block_n=64, num_warps=4),
+                "h64n32": dict(block_h=64, block_n=32, num_warps=8)}
+SPLIT_SWEEP = (64, 128, 512, 2048)
 
 
 def ceilings(device: str, smoke: bool) -> dict:
@@ -46,7 +60,16 @@ def ceilings(device: str, smoke: bool) -> dict:
     m = 256 if smoke else 8192
     x, y = torch.randn(m, m, device=device, dtype=torch.bfloat16), torch.randn(m, m, device=device, dtype=torch.bfloat16)
     mm = _bench(lambda: x @ y, device)
-    return {"copy_GBps": 2 * a.numel() * 2 / ms / 1e6, "bf16_matmul_TFLOPs": 2 * m**3 / mm / 1e9}
+    out = {"copy_GBps": 2 * a.numel() * 2 / ms / 1e6, "bf16_matmul_TFLOPs": 2 * m**3 / mm / 1e9}
+    if device == "cuda":  # the FP8 ceiling (issue 31 item 3): e4m3 x e4m3 -> bf16 through cuBLAS
+        x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn).t().contiguous().t()
+        one = torch.ones((), device=device)
+        try:
+            mm8 = _bench(lambda: torch._scaled_mm(x8, y8, one, one, out_dtype=torch.bfloat16), device)
+            out["fp8_matmul_TFLOPs"] = 2 * m**3 / mm8 / 1e9
+        except (RuntimeError, TypeError) as e:  # an older torch's signature: the ceiling is left out
+            print(f"  fp8 ceiling skipped: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
+    return out
 
 
 def _paged_requests(bs: int, ctx: int, device: str, g: torch.Generator):
@@ -57,6 +80,7 @@ def _paged_requests(bs: int, ctx: int, device: str, g: torch.Generator):
 
 def bench_mla(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
     from sgl_kernel.sparse_mla import mla_attention, mla_attention_ref, split_keys_for
+    from sglang.srt.layers.attention.nsa.triton_backend import MLA_DECODE, MLA_EXTEND
 
     h, c, k_top, ctx0 = (16, 64, 64, 256) if smoke else (H, C, K_TOP, 32768)
     rows = []
@@ -80,34 +104,48 @@ def bench_mla(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
         q_rope = torch.randn(t, h, R, generator=g).to(device, torch.bfloat16)
         args = (q_lat, q_rope, kv, c, r2t, pidx, tok_req, pos, topk, c**-0.5)
         # (the first is the serving config, triton_backend.MLA_DECODE / MLA_EXTEND; others: candidates)
-        variants = ([dict(split_keys=256, max_keys=k_top, block_h=32, block_n=64, num_warps=4),
-                     dict(split_keys=256, max_keys=k_top, block_h=64, block_n=32, num_warps=8)]
-                    if kind == "decode" else
-                    [dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
-                     dict(block_h=64, block_n=64, num_warps=8, num_stages=3)])
-        if smoke:
-            variants = variants[:2]
+        if kind == "decode":
+            variants = {}
+            for name, tile in DECODE_TILES.items():
+                tile = dict(MLA_DECODE) if tile is None else tile
+                if smoke:
+                    tile = dict(tile, block_h=16, block_n=16)
+                sk = split_keys_for(k_top, tile["block_n"])
+                variants[name] = dict(tile, split_keys=sk, max_keys=k_top)
+                if name == "serving":
+                    for sk2 in ((16, 64) if smoke else SPLIT_SWEEP):
+                        variants[f"serving split{sk2}"] = dict(tile, split_keys=sk2, max_keys=k_top)
+        else:
+            variants = {"serving": dict(MLA_EXTEND), "stages3": dict(MLA_EXTEND, num_stages=3),
+                        "h64n32": dict(MLA_EXTEND, block_n=32)}
+            if smoke:
+                variants = {n: dict(v, block_h=16, block_n=16) for n, v in list(variants.items())[:2]}
         check_rows = slice(0, min(t, 64))
         ref = mla_attention_ref(*[a[check_rows] if isinstance(a, torch.Tensor) and a.shape[:1] == (t,) else a
                                   for a in args])
-        best = None
-        for v in variants:
+        key_bytes = t * k_top * (c + R) * 2
+        flops = 2 * t * h * k_top * ((c + R) + c)
+        timed = {}
+        for name, v in variants.items():
             try:
                 out = mla_attention(*args, **v)
             except Exception as e:  # a tile that does not fit (shared memory) is skipped, not fatal
-                print(f"  mla {kind} {n} {v}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
+                print(f"  mla {kind} {n} {name} {v}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
                 continue
             err = ((out[check_rows].float() - ref.float()).norm() / ref.float().norm()).item()
             if not err < 2e-2:
-                raise AssertionError(f"mla {kind} {n} {v}: relative error {err}")
+                raise AssertionError(f"mla {kind} {n} {name} {v}: relative error {err}")
             ms = _bench(lambda: mla_attention(*args, **v), device)
-            if best is None or ms < best[0]:
-                best = (ms, v, err)
-        ms, v, err = best
-        key_bytes = t * k_top * (c + R) * 2
-        flops = 2 * t * h * k_top * ((c + R) + c)
-        rows.append({"kernel": f"sparse MLA {kind}", "size": n, "ms": ms, "GBps": key_bytes / ms / 1e6,
-                     "TFLOPs": flops / ms / 1e9, "rel_err": err, "config": v})
+            ms_graph = _bench(lambda: mla_attention(*args, **v), device, graph=True) if kind == "decode" else None
+            timed[name] = {"config": v, "ms": ms, "ms_graph": ms_graph, "TFLOPs": flops / ms / 1e9, "rel_err": err}
+            g_txt = "" if ms_graph is None else f", graph {ms_graph:.4f} ms"
+            print(f"  mla {kind} {n} {name:20s} {ms:.4f} ms{g_txt} {flops / ms / 1e9:.1f} TFLOP/s {v}", file=sys.stderr)
+        best = min(timed, key=lambda k: timed[k]["ms"])
+        serving = timed.get("serving", timed[best])
+        ms = serving["ms"]
+        rows.append({"kernel": f"sparse MLA {kind}", "size": n, "ms": ms, "ms_graph": serving["ms_graph"],
+                     "GBps": key_bytes / ms / 1e6, "TFLOPs": flops / ms / 1e9, "rel_err": serving["rel_err"],
+                     "config": serving["config"], "best_variant": best, "variants": timed})
     return rows
 
 
@@ -180,7 +218,18 @@ def bench_indexer(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
         flops = 2 * pairs * ih * ID
         rows.append({"kernel": f"indexer scores {kind}", "size": n, "ms": ms_scores, "TFLOPs": flops / ms_scores / 1e9,
                      "GBps": pairs / cfg["block_t"] * (ID + 4) / ms_scores / 1e6, "config": cfg})
-        rows.append({"kernel": f"indexer top-k {kind}", "size": n, "ms": ms_topk, "GBps": pairs * 4 / ms_topk / 1e6})
+        row = {"kernel": f"indexer top-k {kind}", "size": n, "ms": ms_topk, "GBps": pairs * 4 / ms_topk / 1e6}
+        if kind == "decode":  # decode runs in CUDA graphs: scores + top-k back to back, replayed
+            row["ms_graph"] = _bench(lambda: fast_topk(scores, lengths, k_top), device, graph=True)
+            row["ms_graph_scores_plus_topk"] = _bench(run, device, graph=True)
+            row["split_sweep_ms_graph"] = {}
+            for sp in (() if smoke else (8, 16, 32, 64)):
+                if torch.equal(fast_topk(scores, lengths, k_top, split=sp), got):  # byte-equal at any split
+                    row["split_sweep_ms_graph"][sp] = _bench(lambda: fast_topk(scores, lengths, k_top, split=sp),
+                                                             device, graph=True)
+                else:
+                    raise AssertionError(f"top-k split {sp} differs from the default split")
+        rows.append(row)
     return rows
 
 
@@ -223,10 +272,19 @@ def main() -> None:
         json.dump(result, f, indent=2)
     plot(rows, ceil, stem + ".png")
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s (r+w), bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
-    print(f"{'kernel':28s} {'size':>6s} {'ms':>9s} {'GB/s':>8s} {'TFLOP/s':>8s} {'%copy':>6s} {'%mm':>5s}")
+    print(f"{'kernel':28s} {'size':>6s} {'ms':>9s} {'graph ms':>9s} {'GB/s':>8s} {'TFLOP/s':>8s} {'%copy':>6s} {'%mm':>5s}")
     for r in rows:
-        print(f"{r['kernel']:28s} {r['size']:>6d} {r['ms']:9.3f} {r.get('GBps', 0):8.0f} {r.get('TFLOPs', 0):8.1f} "
-              f"{r['pct_copy']:6.1f} {r['pct_matmul']:5.1f}")
+        g = r.get("ms_graph")
+        print(f"{r['kernel']:28s} {r['size']:>6d} {r['ms']:9.4f} {'' if g is None else f'{g:9.4f}':>9s} "
+              f"{r.get('GBps', 0):8.0f} {r.get('TFLOPs', 0):8.1f} {r['pct_copy']:6.1f} {r['pct_matmul']:5.1f}")
+    for r in rows:  # the candidates behind each MLA row, and the top-k's graph numbers
+        for name, v in r.get("variants", {}).items():
+            g = v["ms_graph"]
+            print(f"  {r['kernel']} {r['size']} {name:22s} {v['ms']:9.4f} ms {'' if g is None else f'graph {g:.4f}'}"
+                  f" {v['TFLOPs']:7.1f} TFLOP/s")
+        if "ms_graph_scores_plus_topk" in r and r["ms_graph_scores_plus_topk"] is not None:
+            print(f"  {r['kernel']} {r['size']}: scores + top-k in a graph {r['ms_graph_scores_plus_topk']:.4f} ms;"
+                  f" top-k by split (graph ms) {r['split_sweep_ms_graph']}")
 
 
 if __name__ == "__main__":

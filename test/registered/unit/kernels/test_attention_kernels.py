@@ -74,6 +74,25 @@ def test_mla_attention_matches_reference(dtype, sparse, split_keys):
     assert err < TOL[dtype], err
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_attention_split_of_several_tiles(dtype):
+    """Splits of 3 tiles (the next tile's slots are fetched one iteration ahead), a top-k of 40 that
+    is no multiple of the 16-key tile, -1 padding (short requests), and a last split partly empty."""
+    g = _gen(21)
+    c, r, h = 48, 16, 20  # two head blocks of 16, the second partial
+    kv = torch.randn(400, 1, c + r, generator=g).to(dtype)
+    seq, ext = [37, 130, 1, 90], [1, 1, 1, 1]
+    r2t, pidx, tok_req, pos = _batch(seq, ext, 400, g)
+    q_lat, q_rope = torch.randn(4, h, c, generator=g).to(dtype), torch.randn(4, h, r, generator=g).to(dtype)
+    topk = _topk_lists(pos, 40, g)
+    args = _to(q_lat, q_rope, kv, c, r2t, pidx, tok_req, pos, topk)
+    out = torch.full((4, h, c), float("nan"), dtype=dtype, device=DEVICE)
+    got = mla_attention(*args, 0.1, split_keys=48, max_keys=40 + 48, out=out, block_h=16, block_n=16)
+    ref = mla_attention_ref(*args, 0.1)
+    assert not got.isnan().any()
+    assert (got.float() - ref.float()).abs().max().item() < TOL[dtype]
+
+
 def test_mla_attention_empty_batch_and_batch_invariance():
     g = _gen(2)
     c, r, h = 32, 16, 4
@@ -216,12 +235,13 @@ def test_mla_kv_store_fp8_byte_equal_to_pool_twin(c, r, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sparse", [True, False])
 @pytest.mark.parametrize("split_keys", [0, 32])
-def test_mla_attention_fp8_kv_matches_reference_on_dequantised_cache(dtype, sparse, split_keys):
+@pytest.mark.parametrize("c", [160, 64])  # two scale blocks, the second short; one block (a scale per row)
+def test_mla_attention_fp8_kv_matches_reference_on_dequantised_cache(dtype, sparse, split_keys, c):
     """The kernel dequantises in-kernel; the twin runs on fmt.dequantize's values: same function."""
     from sglang.srt.mem_cache import kv_fp8_format as fmt
 
     g = _gen(12)
-    c, r, h = 160, 16, 5  # two scale blocks, the second short
+    r, h = 16, 5
     lat, rope = torch.randn(400, c, generator=g) * 3, torch.randn(400, r, generator=g)
     kv_u8 = fmt.pack(lat, rope)[:, None, :]
     deq_lat, deq_rope = fmt.dequantize(kv_u8, c, r)

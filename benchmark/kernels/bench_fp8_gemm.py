@@ -59,7 +59,7 @@ from tqdm import tqdm  # noqa: E402
 from sgl_kernel.fp8_gemm import (  # noqa: E402
     Fp8GemmConfig, fixed_gemm_config, fp8_block_linear, fp8_block_linear_ref, get_gemm_config)
 from sgl_kernel.fp8_quant import block_dequant  # noqa: E402
-from timing import median_ms  # noqa: E402
+from timing import cuda_graph, median_ms  # noqa: E402
 
 BLOCK = (128, 128)
 FP8 = torch.float8_e4m3fn
@@ -93,15 +93,7 @@ def scaled_mm_ms(m: int, n: int, k: int, device: str) -> float | None:
 def graph_ms(fn, device: str) -> tuple[float | None, bool | None]:
     if device != "cuda":
         return None, None
-    out = fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        g_out = fn()
+    g, out, g_out = cuda_graph(fn)
     g.replay()
     torch.cuda.synchronize()
     return median_ms(g.replay, device, ARGS.repeats), bool(torch.equal(g_out, out))

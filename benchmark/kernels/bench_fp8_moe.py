@@ -50,7 +50,7 @@ from tqdm import tqdm  # noqa: E402
 from sgl_kernel import moe  # noqa: E402
 from sgl_kernel.fp8_moe import fixed_fp8_moe_config, fused_experts_fp8, get_fp8_moe_config  # noqa: E402
 from sgl_kernel.fp8_quant import block_dequant  # noqa: E402
-from timing import median_ms  # noqa: E402
+from timing import cuda_graph, median_ms  # noqa: E402
 
 BLOCK = (128, 128)
 FP8 = torch.float8_e4m3fn
@@ -83,15 +83,7 @@ def routing(t: int, shape: dict, device: str, gen) -> tuple[torch.Tensor, torch.
 def graphed(fn, device: str):
     if device != "cuda":
         return fn, True
-    out = fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        g_out = fn()
+    g, out, g_out = cuda_graph(fn)
     g.replay()
     torch.cuda.synchronize()
     return g.replay, bool(torch.equal(g_out, out))

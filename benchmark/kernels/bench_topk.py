@@ -32,6 +32,7 @@ import time
 import torch
 
 from sglang.bench_plot import import_pyplot
+from timing import cuda_graph
 
 DECODE_ROWS, DECODE_WIDTHS, PREFILL = (1, 16, 64), (8192, 32768, 131072), (4096, 32768)
 SMOKE_DECODE_ROWS, SMOKE_DECODE_WIDTHS, SMOKE_PREFILL = (1, 3), (700,), (12, 384)
@@ -87,15 +88,7 @@ def timer(device: str, graph: bool, reps: int):
 
 def graph_capture_ok(fn) -> bool:
     """fast_topk captured in a CUDA graph replays to the eager result (no host syncs inside)."""
-    eager = fn().clone()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up / compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        res = fn()
+    g, eager, res = cuda_graph(fn)
     res.fill_(-7)  # capture does not run the kernels: make the replay prove it writes
     g.replay()
     torch.cuda.synchronize()

@@ -23,3 +23,21 @@ def median_ms(fn: Callable[[], object], device: str, repeats: int, gpu_rep_ms: i
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def cuda_graph(fn: Callable[[], object]):
+    """`fn` captured in a CUDA graph, after one run on a side stream (compiles and autotunes stay
+    out of the capture): (graph, the eager output, the graph's output buffer), the graph not yet
+    replayed. Capturing also proves `fn` has no host syncs and no data-dependent shapes."""
+    import torch
+
+    out = fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        g_out = fn()
+    return g, out, g_out

@@ -673,6 +673,31 @@ def test_cp2_speculative_equals_plain_and_draft_kv_is_sharded(builtin_path):
         assert prefills[0]["valid_rows"] < sum(len(p) for p in prompts)
 
 
+def test_cp2_speculative_returns_hidden_states_as_one_rank(builtin_path):
+    """return_hidden_states under prefill CP with speculation: the prompt's rows are gathered from
+    the ranks (the draft then extends from the gathered rows) and each accepted verify row comes
+    back: the same tokens and hidden states as one rank without CP (plain decoding's rows)."""
+    from sglang.srt.testing.multi_rank import Case, run_case, run_multi_rank
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (21, 40)]
+    sa = dict(model_path=builtin_path("tiny-deepseek-v32-mtp"), enable_nsa_prefill_context_parallel=True,
+              nsa_prefill_cp_mode="in-seq-split", page_size=1, chunked_prefill_size=-1, dtype="float32",
+              speculative_algorithm="EAGLE", speculative_num_steps=3, enable_return_hidden_states=True)
+    case = Case("hidden", sa, prompts, 6, return_hidden_states=True)
+    got = run_multi_rank([case], 2)[0]
+    one = {k: v for k, v in sa.items() if k not in ("enable_nsa_prefill_context_parallel", "nsa_prefill_cp_mode",
+                                                    "speculative_algorithm", "speculative_num_steps")}
+    ref = run_case(Case("hidden", one, prompts, 6, return_hidden_states=True), 1)
+    for rid in ("p0", "p1"):
+        assert got[rid]["ids"] == ref[rid]["ids"], rid
+        ours, theirs = got[rid]["hidden"], ref[rid]["hidden"]
+        assert len(ours) == len(theirs) == len(ref[rid]["ids"]), rid  # the prompt block + a row per fed token
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+    assert got["_stats"]["kv_leak"] is None
+
+
 def _chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
     """Pearson's statistic of observed counts against exact probabilities (cells expecting fewer
     than 5 pooled into one); returns (statistic, degrees of freedom)."""

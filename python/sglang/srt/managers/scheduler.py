@@ -127,12 +127,6 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         if req.custom_logit_processor and not self.server_args.enable_custom_logit_processor:
             req.finished_reason = FINISH_ABORT(CUSTOM_LOGIT_PROCESSOR_DISABLED, 400)
             return [self._make_output(req, [])]
-        if (req.return_hidden_states and self.server_args.speculative_algorithm is not None
-                and self.server_args.enable_nsa_prefill_context_parallel):
-            req.finished_reason = FINISH_ABORT("return_hidden_states is not supported with --speculative-algorithm "
-                                               "under --enable-nsa-prefill-context-parallel (the target's prefill "
-                                               "hidden states stay split over the ranks)", 400)
-            return [self._make_output(req, [])]
         if self.grammar_manager.process_req_with_grammar(req):
             return []  # compiling: it waits in the grammar queue
         if req.finished():

@@ -34,7 +34,8 @@ IndexCache: with sharing on, the target's last layer hands its top-k of the rows
 
 Prefill CP: the target's prefill returns its hidden states / top-k in the rank's own layout
 (CaptureHiddenMode.FULL_LOCAL) and the draft extends the same batch, split the same way, from
-them: no rank materialises the full hidden states, and the draft writes only the rank's pages of
+them: no rank materialises the full hidden states (unless a request of the batch returns them:
+then they are gathered and the draft extend follows the pages' owners), and the draft writes only the rank's pages of
 its own pool (SGLANG_CP_DRAFT_SHARED_KV_DEBUG=1 logs it). Forwards over rows a verify allocated
 (draft steps, the accepted rows) follow those rows' pages (`cp_split_by_slot_owner`). A draft
 cache-hit extend is computed like any extend over the full cached context (this backend has no
@@ -183,7 +184,11 @@ class EAGLEWorker:
     def _extend(self, batch: ScheduleBatch) -> BatchOutputCopy:
         t = self.target
         fb = t.build_forward_batch(batch)
-        fb.capture_hidden_mode = CaptureHiddenMode.FULL_LOCAL  # under prefill CP: no gather
+        # Under prefill CP the draft extends from the rank's own rows (FULL_LOCAL: no gather),
+        # unless a request returns its prompt's hidden states: then every row is gathered (the
+        # requests' order) and the draft follows the pages' owners instead.
+        gather = self.cp and _wants_hidden(batch.reqs)
+        fb.capture_hidden_mode = CaptureHiddenMode.FULL if gather else CaptureHiddenMode.FULL_LOCAL
         lo = t.model_runner.forward(fb)
         sample = t.model_runner.sample(lo, fb)
         t.token_table.store(fb.req_pool_indices, sample.next_token_ids)
@@ -196,8 +201,8 @@ class EAGLEWorker:
             ids.append(FUTURE_TOKEN if p + e >= len(req.fill_ids()) else req.fill_ids()[p + e])
         # The same batch split the same way: under CP each rank's target rows feed its draft rows.
         self._draft_extend(batch.reqs, batch.prefix_lens, batch.extend_lens, ids, lo.hidden_states,
-                           lo.topk_indices, batch.out_cache_loc, rows_local=True)
-        if _wants_hidden(batch.reqs):  # (refused under CP, where these rows are the rank's own)
+                           lo.topk_indices, batch.out_cache_loc, rows_local=not gather)
+        if _wants_hidden(batch.reqs):
             fb.capture_hidden_mode = CaptureHiddenMode.FULL  # every prompt row to return, as plain prefill
         return BatchOutputCopy(batch, fb, lo, sample)
 
@@ -333,7 +338,7 @@ class EAGLEWorker:
         self._draft_extend(reqs, batch.prefix_lens, [a + 1 for a in acc], picks.reshape(-1)[keep],
                            lo.hidden_states[keep], topk, batch.out_cache_loc[keep_host])  # KV slots: host
         self.kv_len[slots] = torch.tensor(batch.prefix_lens, device=self.device) + accepted + 1
-        return SpecDecodeOutput(self, batch, n, picks, accepted, sample).to_host()
+        return SpecDecodeOutput(self, batch, n, picks, accepted, sample, lo.hidden_states).to_host()
 
     @torch.inference_mode()
     def _decode_without_drafts(self, batch: ScheduleBatch) -> GenerationBatchResult:

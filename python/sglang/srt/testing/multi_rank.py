@@ -28,6 +28,7 @@ class Case:
     env: dict = field(default_factory=dict)
     warmup: bool = False  # run a short request first, untimed (benchmarks)
     rounds: list[list[list[int]]] = field(default_factory=list)  # batches run one after another, after followups
+    return_hidden_states: bool = False  # every request (the server needs --enable-return-hidden-states)
 
 
 def free_port() -> int:
@@ -66,7 +67,8 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
         for i, ids in enumerate(batch):
             sp = SamplingParams(max_new_tokens=case.max_new_tokens, temperature=0.0, ignore_eos=True)
             sched.add_request(TokenizedGenerateReqInput(f"{tag}{i}", list(ids), sp, case.return_logprob,
-                                                        case.logprob_start_len))
+                                                        case.logprob_start_len,
+                                                        return_hidden_states=case.return_hidden_states))
 
     step_s: list[float] = []
 
@@ -78,8 +80,9 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
                 torch.cuda.synchronize()
             step_s.append(time.perf_counter() - t0)
             for o in outs:
-                r = out.setdefault(o.rid, {"ids": [], "logprobs": [], "input_logprobs": None})
+                r = out.setdefault(o.rid, {"ids": [], "logprobs": [], "input_logprobs": None, "hidden": []})
                 r["ids"] += o.new_token_ids
+                r["hidden"] += o.hidden_states or []
                 r["logprobs"] += o.output_token_logprobs or []
                 if o.input_token_logprobs is not None:
                     r["input_logprobs"] = o.input_token_logprobs

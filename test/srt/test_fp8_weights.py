@@ -38,14 +38,13 @@ model dtype at load, today's loader). fp32 on CPU throughout.
 from __future__ import annotations
 
 import logging
-import math
 import os
-import statistics
 
 import pytest
 import torch
 
 from sglang.srt.entrypoints.engine import Engine
+from sglang.srt.testing.fp8_bounds import assert_within_e4m3_bound, e4m3_logprob_report
 from sglang.srt.testing.runner_utils import prefill_all_logits
 
 DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
@@ -129,20 +128,9 @@ def test_fp8_activations_logprobs_within_e4m3_bound(builtin_path, name):
     prompts, new = _prompts(6, 6, 60, seed=5), 12
     ref_ids, seqs, ref_lp, ref_top = _greedy_and_score(path, prompts, new, dequantize_fp8_weights=True)
     ids, _, lp, top = _greedy_and_score(path, prompts, new, seqs=seqs)  # the default: FP8 activations
-    ref_flat, flat = sum(ref_lp, []), sum(lp, [])
-    diffs = [abs(a - b) for a, b in zip(ref_flat, flat)]
-    med_bound = 2 * EPS / math.sqrt(3) * statistics.median(abs(x) for x in ref_flat)
-    over = sum(d > 2 * EPS * abs(x) + 1e-3 for d, x in zip(diffs, ref_flat)) / len(diffs)
-    agree = sum(a == b for r, f in zip(ref_top, top) for a, b in zip(r, f)) / len(diffs)
-    free = sum(a == b for r, f in zip(ref_ids, ids) for a, b in zip(r, f)) / (new * len(prompts))
-    report = (f"{name}: median |dlp| {statistics.median(diffs):.4f} (bound {med_bound:.4f}), max {max(diffs):.3f}, "
-              f"over first-order bound {over:.3f}, argmax agreement {agree:.3f}, free-running greedy agreement "
-              f"{free:.3f}")
-    print(report)
-    assert statistics.median(diffs) > 0, "FP8 activations changed nothing: were they quantised?"
-    assert statistics.median(diffs) <= med_bound, report
-    assert over <= FLIP_FRACTION, report
-    assert agree >= ARGMAX_AGREEMENT, report
+    stats = e4m3_logprob_report(ref_lp, lp, ref_top, top, ref_ids, ids, EPS)
+    assert stats["median_diff"] > 0, "FP8 activations changed nothing: were they quantised?"
+    assert_within_e4m3_bound(stats, name, FLIP_FRACTION, ARGMAX_AGREEMENT)
 
 
 def _hf_logits_and_topk_gap(hf, prompt: list[int], topk: int) -> tuple[torch.Tensor, float]:

@@ -29,9 +29,7 @@ fails (1) outright; the kernels themselves are tested exactly against their twin
 
 from __future__ import annotations
 
-import math
 import os
-import statistics
 
 import pytest
 import torch
@@ -39,6 +37,7 @@ import torch
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.mem_cache.kv_fp8_format import E4M3_REL_ERR as EPS
 from sglang.srt.server_args import ServerArgsError
+from sglang.srt.testing.fp8_bounds import assert_within_e4m3_bound, e4m3_logprob_report
 
 DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
 FLIP_FRACTION = 0.15
@@ -87,19 +86,8 @@ def test_fp8_kv_logprobs_within_e4m3_tolerance(name, lo, hi):
         lp, top = _score(fp8_engine, seqs)
     finally:
         fp8_engine.shutdown()
-    ref_flat, flat = sum(ref_lp, []), sum(lp, [])
-    diffs = [abs(a - b) for a, b in zip(ref_flat, flat)]
-    med_bound = 2 * EPS / math.sqrt(3) * statistics.median(abs(x) for x in ref_flat)
-    over = sum(d > 2 * EPS * abs(x) + 1e-3 for d, x in zip(diffs, ref_flat)) / len(diffs)
-    agree = sum(a == b for r, f in zip(ref_top, top) for a, b in zip(r, f)) / len(diffs)
-    free_agree = sum(a == b for r, f in zip(ref_ids, fp8_ids) for a, b in zip(r, f)) / (new * len(prompts))
-    report = (f"{name} prompts {lo}-{hi}: median |dlp| {statistics.median(diffs):.4f} (bound {med_bound:.4f}), "
-              f"max {max(diffs):.3f}, over first-order bound {over:.3f}, argmax agreement {agree:.3f}, "
-              f"free-running greedy agreement {free_agree:.3f}")
-    print(report)
-    assert statistics.median(diffs) <= med_bound, report
-    assert over <= FLIP_FRACTION, report
-    assert agree >= ARGMAX_AGREEMENT, report
+    stats = e4m3_logprob_report(ref_lp, lp, ref_top, top, ref_ids, fp8_ids, EPS)
+    assert_within_e4m3_bound(stats, f"{name} prompts {lo}-{hi}", FLIP_FRACTION, ARGMAX_AGREEMENT)
 
 
 def test_fp8_kv_capacity_and_bad_combos():

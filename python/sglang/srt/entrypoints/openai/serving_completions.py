@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from sglang.srt.entrypoints.openai.protocol import (
+    MAX_N,
     CompletionRequest,
     finish_reason_of,
     make_id,
@@ -13,7 +14,6 @@ from sglang.srt.entrypoints.openai.protocol import (
     usage_of,
 )
 from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
-from sglang.srt.entrypoints.openai.protocol import MAX_N
 from sglang.srt.entrypoints.openai.utils import (
     SSE_DONE,
     check_model,

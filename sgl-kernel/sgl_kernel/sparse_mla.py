@@ -40,38 +40,19 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_slots(TOPK, REQ_TO_TOKEN, topk_row, r2t_row, j0, end, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
-    """(valid, KV slot) of the key slots [j0, j0 + BLOCK_N) of a token (slot 0 where not valid)."""
-    offs_n = j0 + tl.arange(0, BLOCK_N)
-    in_range = offs_n < end
-    if SPARSE:  # top-k rows hold their valid positions first (-1 after)
-        idx = tl.load(TOPK + topk_row + offs_n, mask=in_range, other=-1)
-        valid = idx >= 0
-        key_pos = tl.maximum(idx, 0)
-    else:
-        valid = in_range
-        key_pos = offs_n
-    slot = tl.load(REQ_TO_TOKEN + r2t_row + key_pos, mask=valid, other=0).to(tl.int64)
-    return valid, slot
-
-
-@triton.jit
 def _mla_fwd_kernel(
     Q_LAT, Q_ROPE, KV, KV_F32, KV_BF16, REQ_TO_TOKEN, REQ_POOL_IDX, TOKEN_TO_REQ, POSITIONS, TOPK, O, LSE,
-    sm_scale_log2, num_heads, k_top, num_hblocks, num_splits,
+    sm_scale_log2, num_heads, k_top,
     stride_qt, stride_qh, stride_rt, stride_rh, stride_kv, stride_r2t, stride_topk,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     SPARSE: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr,
-    FP8: tl.constexpr = False, SBLK: tl.constexpr = 128, NSCALE: tl.constexpr = 1, NSB: tl.constexpr = 1,
+    FP8: tl.constexpr = False, SBLK: tl.constexpr = 128, NSCALE: tl.constexpr = 1,
 ):
-    # One flat grid, head blocks fastest, then splits: the programs that gather the same keys run
-    # side by side, so a key row read by one head block is an L2 hit for the others.
-    pid = tl.program_id(0)
-    hb = pid % num_hblocks
-    split = (pid // num_hblocks) % num_splits
-    t = (pid // (num_hblocks * num_splits)).to(tl.int64)  # offsets pass 2^31 at long contexts
+    t = tl.program_id(0).to(tl.int64)  # offsets pass 2^31 at long contexts
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
     req = tl.load(TOKEN_TO_REQ + t)
     row = tl.load(REQ_POOL_IDX + req).to(tl.int64)
     pos = tl.load(POSITIONS + t)
@@ -102,32 +83,24 @@ def _mla_fwd_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
-    # The slots of the next tile are fetched one iteration ahead (top-k entry -> req_to_token ->
-    # slot is a chain of two dependent loads): the key gather then depends only on loop-carried
-    # values, which Triton's pipeliner turns into asynchronous copies.
-    valid, slot = _tile_slots(TOPK, REQ_TO_TOKEN, t * stride_topk, row * stride_r2t, start, end, BLOCK_N, SPARSE)
     for j0 in range(start, end, BLOCK_N):
-        valid_next, slot_next = _tile_slots(TOPK, REQ_TO_TOKEN, t * stride_topk, row * stride_r2t, j0 + BLOCK_N, end,
-                                            BLOCK_N, SPARSE)
+        offs_n = j0 + tl.arange(0, BLOCK_N)
+        in_range = offs_n < end
+        if SPARSE:
+            idx = tl.load(TOPK + t * stride_topk + offs_n, mask=in_range, other=-1)
+            valid = idx >= 0
+            key_pos = tl.maximum(idx, 0)
+        else:
+            valid = in_range
+            key_pos = offs_n
+        slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + key_pos, mask=valid, other=0).to(tl.int64)
         kmask = valid[:, None] & cmask[None, :]
         if FP8:  # row = [C e4m3 | NSCALE fp32 | R bf16]; stride_kv in bytes (a multiple of 4)
-            row0 = slot * stride_kv
-            if NSCALE == 1:  # one scale per row
-                raw = tl.load(KV + row0[:, None] + offs_c[None, :], mask=kmask, other=0)
-                sc = tl.load(KV_F32 + (row0 + C) // 4, mask=valid, other=0.0)
-                k_lat = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
-            else:  # [N, blocks, SBLK]: one scale load per block, not per element (BLOCK_C = NSB * SBLK)
-                offs_b = tl.arange(0, NSB)
-                offs_i = tl.arange(0, SBLK)
-                col = offs_b[:, None] * SBLK + offs_i[None, :]
-                m3 = valid[:, None, None] & (col < C)[None, :, :]
-                raw = tl.load(KV + row0[:, None, None] + col[None, :, :], mask=m3, other=0)
-                sc = tl.load(KV_F32 + (row0 + C)[:, None] // 4 + offs_b[None, :],
-                             mask=valid[:, None] & (offs_b < NSCALE)[None, :], other=0.0)
-                k3 = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, :, None]
-                k_lat = tl.reshape(k3, [BLOCK_N, BLOCK_C])
-            k_lat = k_lat.to(Q_LAT.dtype.element_ty)
-            k_rope = tl.load(KV_BF16 + (row0[:, None] + C + 4 * NSCALE) // 2 + offs_r[None, :],
+            row0 = slot[:, None] * stride_kv
+            raw = tl.load(KV + row0 + offs_c[None, :], mask=kmask, other=0)
+            sc = tl.load(KV_F32 + (row0 + C) // 4 + offs_c[None, :] // SBLK, mask=kmask, other=0.0)
+            k_lat = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(Q_LAT.dtype.element_ty)
+            k_rope = tl.load(KV_BF16 + (row0 + C + 4 * NSCALE) // 2 + offs_r[None, :],
                              mask=valid[:, None] & rmask[None, :], other=0.0).to(Q_ROPE.dtype.element_ty)
         else:
             k_lat = tl.load(KV + slot[:, None] * stride_kv + offs_c[None, :], mask=kmask, other=0.0)
@@ -143,7 +116,6 @@ def _mla_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=PREC)
         m_i = m_new
-        valid, slot = valid_next, slot_next
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -235,8 +207,7 @@ def mla_attention(
     if split_keys and split_keys % block_n:
         raise ValueError(f"split_keys {split_keys} must be a multiple of block_n {block_n}")
     num_splits = triton.cdiv(max_keys, split_keys) if split_keys else 1
-    num_hblocks = triton.cdiv(h, block_h)
-    grid = (t * num_hblocks * num_splits,)
+    grid = (t, triton.cdiv(h, block_h), num_splits)
     final = not split_keys
     if final:
         o_part, lse = out, out  # lse unused
@@ -253,12 +224,12 @@ def mla_attention(
     topk_arg = topk if topk is not None else positions
     _mla_fwd_kernel[grid](
         q_lat, q_rope, kv, kv_f32, kv_bf16, req_to_token, req_pool_indices, token_to_req, positions, topk_arg, o_part, lse,
-        sm_scale * LOG2E, h, topk.shape[1] if topk is not None else 0, num_hblocks, num_splits,
+        sm_scale * LOG2E, h, topk.shape[1] if topk is not None else 0,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0), req_to_token.stride(0),
         topk_arg.stride(0), *o_strides, *l_strides,
         C=c, R=r, BLOCK_C=next_pow2(c), BLOCK_R=max(16, next_pow2(r)), BLOCK_H=block_h, BLOCK_N=block_n,
         SPLIT_KEYS=split_keys, SPARSE=topk is not None, FINAL=final, PREC=dot_precision(q_lat.dtype),
-        FP8=fp8, SBLK=128 if nscale > 1 else max(c, 1), NSCALE=nscale, NSB=max(1, next_pow2(c) // 128),
+        FP8=fp8, SBLK=128 if nscale > 1 else max(c, 1), NSCALE=nscale,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not final:

@@ -28,10 +28,9 @@ from sglang.srt.utils.common import upload
 CPU_SCORE_BUDGET = 2**26
 CUDA_SCORE_BUDGET_MAX = 2**31
 INDEX_ROWS_PER_BLOCK = 128  # token block x index heads: the M of the scoring matmul
-# Tiles (benchmark/kernels/bench_attention_kernels.py). Fixed per mode, never chosen by batch size,
-# so a request's arithmetic is the same in any batch. Decode: 64 heads x 64 keys per tl.dot on 8
-# warps (wgmma; the 32-head / 4-warp tile of the H200 rows spilled 1.2 KB a thread and ran on mma.sync).
-MLA_DECODE = dict(block_h=64, block_n=64, num_warps=8)
+# Tiles measured on the H200 (benchmark/kernels/bench_attention_kernels.py). Fixed per mode, never
+# chosen by batch size, so a request's arithmetic is the same in any batch.
+MLA_DECODE = dict(block_h=32, block_n=64, num_warps=4)
 MLA_EXTEND = dict(block_h=64, block_n=64, num_warps=8, num_stages=2)
 INDEX_BLOCK_N = 128
 

@@ -13,7 +13,9 @@ Plain and each speculative mode alternate per repeat; medians. JSON + a plot + a
     python benchmark/speculative/bench_speculative.py                      # CPU, builtin MTP model
     python benchmark/speculative/bench_speculative.py --device cuda --model-path DIR_WITH_MTP --load-format dummy
     python benchmark/speculative/bench_speculative.py --smoke             # seconds: checks the script
-    python benchmark/speculative/bench_speculative.py --device cuda --layers 16 --experts 16   # real shapes
+    python benchmark/speculative/bench_speculative.py --device cuda --layers 16 --experts 16 --hot-vocab 32768
+        # real shapes on an H200 (two engines of ~38 GiB of weights each); on an 80 GB card
+        # --layers 12 --max-total-tokens 8192
 
 `--layers N --experts E` builds transformers' DeepSeek-V3.2 config with N target layers of the real
 attention shapes, E routed experts and one MTP layer (dummy weights): V3.2 itself has 61 target

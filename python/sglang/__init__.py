@@ -1,6 +1,6 @@
 """SGLang fork for DeepSeek Sparse Attention models (DeepSeek-V3.2, GLM-5)."""
 
-__version__ = "0.1.0"
+from sglang.version import __version__
 
 
 def __getattr__(name):

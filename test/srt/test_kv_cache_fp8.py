@@ -227,7 +227,7 @@ def test_eagle_with_fp8_kv_equals_plain_decoding_with_fp8_kv():
     spec = Engine(speculative_algorithm="EAGLE", speculative_num_steps=3, **kw)
     try:
         worker = spec.scheduler.tp_worker
-        pools = [r.token_to_kv_pool for r in (worker.model_runner, getattr(worker, "draft_runner", None)) if r]
+        pools = list(worker.kv_pools().values())
         assert all(p.kv_fp8 for p in pools)
         assert [o["output_ids"] for o in spec.generate(input_ids=prompts, sampling_params=sp)] == want
     finally:

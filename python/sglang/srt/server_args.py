@@ -26,6 +26,7 @@ HICACHE_WRITE_POLICIES = ["write_through", "write_through_selective", "write_bac
 HICACHE_IO_BACKENDS = ["direct", "kernel"]
 HICACHE_MEM_LAYOUTS = ["layer_first", "page_first"]
 # Choices that name code live beside that code (import-light modules), so they cannot drift.
+from sglang.srt.errors import ServerArgsError  # noqa: E402,F401  (importable from here: users catch it)
 from sglang.srt.layers.attention.attention_registry import (  # noqa: E402
     CP_MODE_ALIASES,
     MLA_PATHS,
@@ -36,15 +37,9 @@ from sglang.srt.mem_cache.index_k_format import INDEX_K_DTYPE_NAMES  # noqa: E40
 from sglang.srt.mem_cache.kv_fp8_format import KV_CACHE_DTYPES  # noqa: E402
 from sglang.srt.layers.moe.moe_registry import MOE_RUNNER_BACKENDS  # noqa: E402
 from sglang.srt.layers.quantization import FP8_ACTIVATION_DTYPES, QUANTIZATION_METHODS  # noqa: E402
-from sglang.srt.constrained import GRAMMAR_BACKENDS  # noqa: E402
+from sglang.srt.constrained.grammar_registry import GRAMMAR_BACKENDS  # noqa: E402
 from sglang.srt.disaggregation import DISAGGREGATION_MODES, TRANSFER_BACKENDS  # noqa: E402
 from sglang.srt.mem_cache.storage.registry import PREFETCH_POLICIES, STORAGE_BACKEND_NAMES  # noqa: E402
-
-
-class ServerArgsError(ValueError):
-    def __init__(self, flag: str, reason: str) -> None:
-        self.flag, self.reason = flag, reason
-        super().__init__(f"--{flag.replace('_', '-')}: {reason}")
 
 
 def _f(default: Any, help: str, group: str, choices: list | None = None, **extra: Any):

@@ -99,3 +99,243 @@ def test_import_scan_sees_function_local_imports():
            "def h():\n    importlib.import_module('sglang.srt.layers.quant')\n")
     assert len(layers_imports(src)) == 3
     assert not layers_imports("from sglang.srt.mem_cache.cp_page_map import page_owner\n")
+
+
+# -- the package's import graph: no circles, layers that import downward (issue 32) ---------------
+# Every import counts: module level, inside functions (lazy) and under `if TYPE_CHECKING:` -- a
+# lazy import hides a circle from Python at start-up, not from the reader.
+PKG = SRT.parent
+
+# Low -> high. A module's layer is its longest entry; a folder that holds a leaf which lower
+# layers read names that leaf apart (the batch type, the checkpoint readers, PD's data plane).
+LAYERS: list[tuple[str, ...]] = [
+    ("version", "bench_plot", "srt.errors", "srt.utils", "srt.distributed", "srt.metrics", "srt.parser",
+     "srt.function_call", "srt.debug", "srt.configs.index_layers", "srt.testing.sync_guard"),
+    ("srt.model_loader",),                               # checkpoint files: read, make builtin:, quantise
+    ("srt.constrained",),
+    ("srt.sampling",),
+    ("srt.model_executor.forward_batch_info",),           # the batch every layer reads
+    ("srt.mem_cache",),
+    ("srt.layers",),
+    ("srt.models",),
+    ("srt.configs",),                                    # ModelConfig: a checkpoint's config, checked against
+                                                         # the model registry, quantisation and KV formats
+    ("srt.model_loader.loader",),                        # builds a model class and loads its weights
+    ("srt.disaggregation.__init__", "srt.disaggregation.transfer", "srt.disaggregation.kv_layout",
+     "srt.disaggregation.messages", "srt.disaggregation.common"),  # PD's data plane
+    ("srt.server_args",),                                # flags: choices read from the registries below
+    ("srt.model_executor",),
+    ("srt.managers",),
+    ("srt.speculative",),
+    ("srt.disaggregation",),                             # PD's schedulers (Scheduler subclasses), router
+    ("srt.managers.scheduler_process",),                 # the process entry: picks the scheduler class
+    ("srt.entrypoints",),
+    ("srt.testing",),
+    ("__init__", "generate", "launch_server"),
+]
+
+# Imports allowed to run back up, each with the reason it is not a layering break.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {
+    ("srt.managers.scheduler", "srt.speculative.eagle_worker"):
+        "create_worker: the scheduler builds the worker its flags ask for (lazy, one place)",
+    ("srt.model_loader.fp8_checkpoint", "srt.layers.quantization.fp8"):
+        "builtin FP8 checkpoints quantise exactly the linears the serving FP8 method expects (one rule)",
+}
+MAX_UPWARD = 8
+
+
+def module_name(path: Path, pkg: Path = PKG) -> str:
+    """`srt.managers.scheduler`; a package's own file is `srt.disaggregation.__init__`."""
+    return ".".join(path.relative_to(pkg).with_suffix("").parts)
+
+
+def import_graph(pkg: Path = PKG) -> dict[str, list[tuple[int, str]]]:
+    """module -> [(line, imported module of this package)], every import statement included."""
+    files = {module_name(p, pkg): p for p in sorted(pkg.rglob("*.py"))}
+
+    def resolve(name: str) -> str | None:
+        # `sglang.a.b.c` names a module, a package (its __init__) or a name inside one of them
+        parts = name.split(".")[1:]
+        while parts:
+            for cand in (".".join(parts), ".".join(parts + ["__init__"])):
+                if cand in files:
+                    return cand
+            parts.pop()
+        return "__init__" if name == "sglang" else None
+
+    graph = {}
+    for mod, path in files.items():
+        out = []
+        pkg_parts = mod.split(".")[:-1]  # a module's package, for relative imports
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg_parts[:len(pkg_parts) - (node.level - 1)]
+                    base = ".".join(["sglang"] + up + ([node.module] if node.module else []))
+                names = [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                    "import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+                names = [str(node.args[0].value)]
+            for name in names:
+                if (name == "sglang" or name.startswith("sglang.")) and (target := resolve(name)) and target != mod:
+                    out.append((node.lineno, target))
+        graph[mod] = sorted(set(out))
+    return graph
+
+
+def import_circles(graph: dict[str, list[tuple[int, str]]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = counter[0]; counter[0] += 1; stack.append(root); on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            for _, w in it:
+                if w not in index:
+                    index[w] = low[w] = counter[0]; counter[0] += 1; stack.append(w); on_stack.add(w)
+                    work.append((w, iter(graph.get(w, []))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop(); on_stack.discard(w); comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def layer_of(mod: str) -> int:
+    best = (-1, -1)
+    for i, entries in enumerate(LAYERS):
+        for e in entries:
+            if (mod == e or mod.startswith(e + ".")) and len(e) > best[1]:
+                best = (i, len(e))
+    assert best[0] >= 0, f"{mod} is in no layer of test_structure.LAYERS: add it"
+    return best[0]
+
+
+def upward_imports(graph: dict[str, list[tuple[int, str]]]) -> dict[tuple[str, str], int]:
+    """(importer, imported) -> first line, for each import from a lower layer into a higher one."""
+    out: dict[tuple[str, str], int] = {}
+    for mod, edges in graph.items():
+        for line, target in edges:
+            if layer_of(target) > layer_of(mod):
+                out.setdefault((mod, target), line)
+    return out
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    assert len(graph) > 100
+    circles = import_circles(graph)
+    detail = [[f"{m}:{ln} -> {t}" for m in c for ln, t in graph[m] if t in c] for c in circles]
+    assert not circles, f"import circles (lazy and TYPE_CHECKING imports count): {detail}"
+
+
+def test_imports_run_downward():
+    up = upward_imports(import_graph())
+    new = {f"{a} -> {b} (line {ln})" for (a, b), ln in up.items() if (a, b) not in ALLOWED_UPWARD}
+    assert not new, f"imports that run back up the layers (test_structure.LAYERS): {sorted(new)}"
+    stale = set(ALLOWED_UPWARD) - set(up)
+    assert not stale, f"ALLOWED_UPWARD names imports that no longer exist: {sorted(stale)}"
+    assert len(ALLOWED_UPWARD) <= MAX_UPWARD
+
+
+@pytest.mark.parametrize("folder", ["mem_cache", "constrained"])
+def test_storage_and_grammars_import_no_managers(folder):
+    graph = import_graph()
+    bad = [f"{m}:{ln} -> {t}" for m, edges in graph.items() if m.startswith(f"srt.{folder}.")
+           for ln, t in edges if t.startswith("srt.managers.")]
+    assert not bad, f"{folder}/ must not import managers/ (pass what it needs in): {bad}"
+
+
+def test_graph_scan_sees_every_kind_of_import(tmp_path):
+    pkg = tmp_path / "sglang"
+    (pkg / "srt" / "a").mkdir(parents=True)
+    for f in ("__init__.py", "srt/__init__.py", "srt/a/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "srt" / "a" / "x.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sglang.srt.a.y import Y\n")
+    (pkg / "srt" / "a" / "y.py").write_text("def f():\n    from . import z\n")
+    (pkg / "srt" / "a" / "z.py").write_text("import importlib\nimportlib.import_module('sglang.srt.a.x')\n")
+    graph = import_graph(pkg)
+    assert graph["srt.a.x"] == [(3, "srt.a.y")] and graph["srt.a.y"] == [(2, "srt.a.z")]
+    assert import_circles(graph) == [["srt.a.x", "srt.a.y", "srt.a.z"]]
+    (pkg / "srt" / "a" / "z.py").write_text("")
+    assert import_circles(import_graph(pkg)) == []
+
+
+# -- seams are declared, not probed (issue 32) -----------------------------------------------------
+def _product_files() -> list[Path]:
+    return sorted(SRT.rglob("*.py"))
+
+
+def worker_probes(source: str) -> list[str]:
+    """`getattr(<...worker...>, ...)` / `hasattr(...)`: reading a worker by probing, not by contract."""
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                and node.args and "worker" in ast.unparse(node.args[0])):
+            hits.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return hits
+
+
+def _req_members() -> tuple[set[str], set[str]]:
+    """Req's methods and the fields its __init__ declares."""
+    tree = ast.parse((SRT / "managers" / "schedule_batch.py").read_text())
+    req = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Req")
+    methods = {n.name for n in req.body if isinstance(n, ast.FunctionDef)}
+    init = next(n for n in req.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    fields = {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+              if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return methods, fields
+
+
+def test_no_worker_is_probed():
+    bad = {str(f.relative_to(SRT)): hits for f in _product_files() if (hits := worker_probes(f.read_text()))}
+    assert not bad, f"read the worker through its contract (managers/tp_worker.BaseTpWorker): {bad}"
+
+
+def test_no_request_method_is_patched():
+    methods, _ = _req_members()
+    assert "check_finished" in methods
+    bad = []
+    for f in _product_files():
+        for node in ast.walk(ast.parse(f.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            bad += [f"{f.relative_to(SRT)}:{node.lineno}: {ast.unparse(t)}" for t in targets
+                    if isinstance(t, ast.Attribute) and t.attr in methods and isinstance(t.value, ast.Name)
+                    and t.value.id != "self"]
+    assert not bad, f"a request's methods are replaced (declare a flag / hook on Req instead): {bad}"
+
+
+@pytest.mark.parametrize("name", ["prefill.py", "decode.py"])
+def test_req_declares_the_fields_pd_uses(name):
+    methods, fields = _req_members()
+    used = {(n.lineno, n.attr) for n in ast.walk(ast.parse((SRT / "disaggregation" / name).read_text()))
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in ("req", "r")}
+    assert any(a == "bootstrap_room" for _, a in used)
+    bad = sorted(f"line {ln}: req.{a}" for ln, a in used if a not in fields | methods)
+    assert not bad, f"PD uses request fields Req does not declare: {bad}"
+
+
+def test_probe_and_patch_scans_catch_them():
+    assert worker_probes("x = getattr(self.tp_worker, 'needs_host_state', None)\n")
+    assert worker_probes("if hasattr(worker, 'next_draft'):\n    pass\n")
+    assert not worker_probes("x = getattr(tokenizer, 'eos_token_id', None)\n")

@@ -34,16 +34,6 @@ def load_hf_config(model_path: str, trust_remote_code: bool = False):
         raise ValueError(f"cannot read the model config at {model_path!r}: {e}") from e
 
 
-def rope_parameters_of(hf_config) -> dict[str, Any]:
-    """The rope dict of a config in transformers-5 form (`rope_parameters`), accepting the older
-    `rope_scaling` + `rope_theta` spelling that DeepSeek checkpoints ship."""
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    params = dict(params)
-    params.setdefault("rope_type", params.get("type", "default"))
-    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    return params
-
-
 # Structural sizes that must stay >= 1 whatever the override (0 or less cannot build a model).
 POSITIVE_CONFIG_KEYS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
@@ -176,7 +166,7 @@ _SCHEDULE_FLAGS = {"index_topk_freq": "nsa_index_topk_freq", "index_skip_topk_of
 def model_config_from_server_args(sa) -> "ModelConfig":
     """Build the ModelConfig for a ServerArgs and check the combinations that need the model
     (IndexCache schedule, TP divisibility, TBO); errors name the flag (ServerArgsError)."""
-    from sglang.srt.server_args import ServerArgsError
+    from sglang.srt.errors import ServerArgsError
 
     try:
         mc = ModelConfig(sa.model_path, sa.dtype, sa.context_length, sa.json_model_override_args,

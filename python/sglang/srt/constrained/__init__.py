@@ -1,10 +1,8 @@
 """Grammar-constrained decoding (structured outputs): json_schema / regex / ebnf / structural_tag.
 
-Import-light on purpose: server_args reads GRAMMAR_BACKENDS from here (the flag's choices come from
-the registry, grammar_registry.py, so they cannot drift); the backends themselves are imported lazily.
+Import-light on purpose: constants only (request fields, messages), which the backends import; the
+--grammar-backend choices live in the registry (grammar_registry.py), which imports backends on use.
 """
-
-from sglang.srt.constrained.grammar_registry import GRAMMAR_BACKENDS  # noqa: F401
 
 # Request fields -> the grammar kind upstream keys its compile cache with.
 GRAMMAR_FIELDS = {"json_schema": "json", "regex": "regex", "ebnf": "ebnf", "structural_tag": "structural_tag"}

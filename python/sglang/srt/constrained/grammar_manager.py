@@ -37,13 +37,11 @@ class GrammarManager:
     def process_req_with_grammar(self, req) -> bool:
         """Attach the request's grammar. True: it was queued (compiling). False: it goes on now
         (to the waiting queue, or -- with req.finished_reason set -- straight back as an abort)."""
-        from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
         key = grammar_key(req.sampling_params)
         if key is None:
             return False
         if self.grammar_backend is None:
-            req.finished_reason = FINISH_ABORT(STRUCTURED_OUTPUTS_DISABLED, 400)
+            req.set_finish_with_abort(STRUCTURED_OUTPUTS_DISABLED)
             return False
         req.grammar_key = key
         value, cache_hit = self.grammar_backend.get_cached_or_future_value(key)
@@ -54,7 +52,7 @@ class GrammarManager:
             self.grammar_queue.append(req)
             return True
         if isinstance(value, InvalidGrammar):
-            req.finished_reason = FINISH_ABORT(value.error_message(), 400)
+            req.set_finish_with_abort(value.error_message())
         else:
             req.grammar = maybe_reasoner(value, req.sampling_params)
         return False
@@ -64,8 +62,6 @@ class GrammarManager:
         finished (req.finished_reason set) when their grammar did not compile."""
         if not self.grammar_queue:
             return []
-        from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
         now = time.monotonic()
         ready = [i for i, r in enumerate(self.grammar_queue)
                  if r.grammar.done() or now - r.grammar_wait_start > GRAMMAR_TIMEOUT_S]
@@ -82,7 +78,7 @@ class GrammarManager:
                 value = InvalidGrammar(req.grammar_key[0], f"did not compile within {GRAMMAR_TIMEOUT_S:.0f}s")
             if isinstance(value, InvalidGrammar):
                 req.grammar = None
-                req.finished_reason = FINISH_ABORT(value.error_message(), 400)
+                req.set_finish_with_abort(value.error_message())
             else:
                 req.grammar = maybe_reasoner(value, req.sampling_params)
             out.append(req)

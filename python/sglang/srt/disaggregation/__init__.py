@@ -10,7 +10,8 @@ Modules (upstream names where upstream has them):
   the draft's KV), the metadata validated at the handshake, and the page-run copy list.
 - `messages.py`: the control plane's typed messages (ZMQ, pickled).
 - `prefill.py` / `decode.py`: the two schedulers (`Scheduler` subclasses plugged in at
-  `on_prefill_finished` / admission), `router.py`: the HTTP router.
+  `on_prefill_finished` / admission; the process entry, `managers/scheduler_process.scheduler_class`,
+  picks one), `router.py`: the HTTP router.
 
 Protocol, per request (`bootstrap_room`): the decode server preallocates the prompt's pages and sends
 `Register` (its pool layout, buffer addresses, destination pages) to the prefill server's bootstrap
@@ -24,18 +25,3 @@ from __future__ import annotations
 DISAGGREGATION_MODES = ["null", "prefill", "decode"]
 TRANSFER_BACKENDS = ["mooncake", "cuda_ipc", "fake"]
 
-
-def scheduler_class(server_args):
-    """The Scheduler class of this server's --disaggregation-mode."""
-    mode = getattr(server_args, "disaggregation_mode", "null")
-    if mode == "prefill":
-        from sglang.srt.disaggregation.prefill import PrefillScheduler
-
-        return PrefillScheduler
-    if mode == "decode":
-        from sglang.srt.disaggregation.decode import DecodeScheduler
-
-        return DecodeScheduler
-    from sglang.srt.managers.scheduler import Scheduler
-
-    return Scheduler

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import socket
 
-import torch
 import zmq
 
 from sglang.srt.disaggregation.kv_layout import PoolsDesc, describe_pools
@@ -26,43 +25,12 @@ def local_host() -> str:
     return os.environ.get("SGLANG_DISAGGREGATION_HOST", "127.0.0.1")
 
 
-def server_pools(worker) -> dict:
-    """The KV pools that move: the target's, and the draft's with speculative decoding (target and
-    draft share request slots, so one page list addresses both)."""
-    pools = {"target": worker.model_runner.token_to_kv_pool}
-    draft = getattr(worker, "draft_runner", None)
-    if draft is not None:
-        pools["draft"] = draft.token_to_kv_pool
-    return pools
-
-
-def spec_state(worker, slot: int) -> tuple[int, bytes] | None:
-    """The per-request state an EAGLE worker keeps after a prefill (its first proposal d1 and the
-    draft's last hidden state), which the decode side's worker needs before its first verify."""
-    if not hasattr(worker, "next_draft"):
-        return None
-    hidden = worker.draft_hidden[slot].detach().to("cpu").contiguous()
-    return int(worker.next_draft[slot]), hidden.view(torch.uint8).numpy().tobytes()
-
-
-def set_spec_state(worker, slot: int, kv_len: int, state: tuple[int, bytes] | None) -> None:
-    if not hasattr(worker, "next_draft"):
-        return
-    if state is None:
-        raise RuntimeError("the prefill server sent no draft state: --speculative-algorithm must match on both")
-    draft, raw = state
-    hidden = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(worker.draft_hidden.dtype)
-    worker.kv_len[slot] = kv_len
-    worker.next_draft[slot] = draft
-    worker.draft_hidden[slot] = hidden.to(worker.draft_hidden.device)
-
-
 class TransferEndpoint:
     """This rank's transfer backend with every pool buffer registered; a sender's writes run on
     its `TransferWorker` thread."""
 
     def __init__(self, backend_name: str, worker, sender: bool = False, on_done=None) -> None:
-        self.desc: PoolsDesc = describe_pools(server_pools(worker))
+        self.desc: PoolsDesc = describe_pools(worker.kv_pools())
         self.backend: TransferBackend = create_backend(backend_name, local_host())
         for t in self.desc.tensors:
             self.backend.register_tensor(t)

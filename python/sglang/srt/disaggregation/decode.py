@@ -29,7 +29,6 @@ from sglang.srt.disaggregation.common import (
     TransferEndpoint,
     drain,
     local_host,
-    set_spec_state,
 )
 from sglang.srt.disaggregation.kv_layout import bytes_per_page, request_pages
 from sglang.srt.disaggregation.messages import AbortRoom, Done, Handshake, Register
@@ -69,7 +68,7 @@ class DecodeScheduler(Scheduler):
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, recv: TokenizedGenerateReqInput) -> list[ReqOutput]:
         outs = super().add_request(recv)
-        room = getattr(recv, "bootstrap_room", None)
+        room = recv.bootstrap_room
         req = next((r for r in self.waiting_queue if r.rid == recv.rid), None) if room is not None else None
         if req is None:
             req = next((r for r in self.grammar_manager.grammar_queue if r.rid == recv.rid), None) \
@@ -108,8 +107,7 @@ class DecodeScheduler(Scheduler):
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         # Requests whose KV comes from a prefill server never prefill here (a retracted one does).
-        take = [r for r in self.waiting_queue if getattr(r, "bootstrap_room", None) is not None
-                and not getattr(r, "pd_done", False)]
+        take = [r for r in self.waiting_queue if r.bootstrap_room is not None and not r.pd_done]
         if take:
             ids = {id(r) for r in take}
             self.waiting_queue = [r for r in self.waiting_queue if id(r) not in ids]
@@ -197,7 +195,7 @@ class DecodeScheduler(Scheduler):
         """The prefill side dropped a request this side has not preallocated yet: fail it now."""
         for queue in (self.pd_queue, self.waiting_queue):
             for i, req in enumerate(queue):
-                if getattr(req, "bootstrap_room", None) == room and not getattr(req, "pd_done", False):
+                if req.bootstrap_room == room and not req.pd_done:
                     del queue[i]
                     logger.error("PD request %s failed on the prefill server: %s", req.rid, error)
                     req.finished_reason = FINISH_ABORT(error, status)
@@ -224,8 +222,8 @@ class DecodeScheduler(Scheduler):
         req.output_ids.append(first)
         req.first_token_time = time.monotonic()
         self.tp_worker.token_table.store(torch.tensor([req.req_pool_idx]), torch.tensor([first]))
-        set_spec_state(self.tp_worker, req.req_pool_idx, req.kv_committed_len,
-                       next((d.spec_state for d in dones if d.rank == 0), None))
+        self.tp_worker.import_req_state(req.req_pool_idx, req.kv_committed_len,
+                                        next((d.spec_state for d in dones if d.rank == 0), None))
         if req.grammar is not None and not req.grammar.accept_token(first):
             req.finished_reason = FINISH_ABORT(f"token {first} from the prefill server is not allowed by the grammar",
                                                500)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from sglang.srt.disaggregation.common import BOOTSTRAP_TIMEOUT_S, STALL_POLL_MS, PushSockets, TransferEndpoint, drain, spec_state
+from sglang.srt.disaggregation.common import BOOTSTRAP_TIMEOUT_S, STALL_POLL_MS, PushSockets, TransferEndpoint, drain
 from sglang.srt.disaggregation.kv_layout import copy_ops, layout_mismatch, rank_pages, request_pages
 from sglang.srt.disaggregation.messages import AbortRoom, Done, Handshake, Register
 from sglang.srt.disaggregation.transfer import TransferError, TransferTask
@@ -73,13 +73,6 @@ class _Inflight:
 
 # A rank's write state in the per-iteration all-reduce (MIN: anyone still writing; MAX: anyone failed).
 _WRITING, _WRITTEN, _FAILED = 0, 1, 2
-
-
-def _check_abort_only(req: Req, *args, **kwargs) -> None:
-    """A prefill request's stop rules: only an abort finishes it here (the decode server applies
-    EOS / stop / length to the first token)."""
-    if req.to_abort is not None and req.finished_reason is None:
-        req.finished_reason = FINISH_ABORT(req.to_abort)
 
 
 class PrefillScheduler(Scheduler):
@@ -123,13 +116,13 @@ class PrefillScheduler(Scheduler):
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, recv: TokenizedGenerateReqInput) -> list[ReqOutput]:
         outs = super().add_request(recv)
-        room = getattr(recv, "bootstrap_room", None)
+        room = recv.bootstrap_room
         req = next((r for r in reversed(self.waiting_queue) if r.rid == recv.rid), None) if room is not None else None
         if req is None and room is not None:
             req = next((r for r in self.grammar_manager.grammar_queue if r.rid == recv.rid), None)
         if req is not None:
             req.bootstrap_room = room
-            req.check_finished = _check_abort_only.__get__(req)
+            req.abort_only_stop_rules = True
             self.pd_rooms[room] = req
             self._hold_new()
         elif room is not None and outs:  # refused here (too long, ...): the decode side drops it too
@@ -154,7 +147,7 @@ class PrefillScheduler(Scheduler):
         return super().abort_request(rid)
 
     def on_prefill_finished(self, req: Req) -> None:
-        room = getattr(req, "bootstrap_room", None)
+        room = req.bootstrap_room
         if room is None:  # no decode server paired (warm-up, health checks): the first token is all
             req.finished_reason = FINISH_LENGTH(len(req.output_ids))
             self.release_req(req)
@@ -172,7 +165,7 @@ class PrefillScheduler(Scheduler):
         """Move new PD requests from the waiting queue into the bootstrap queue: they are computed
         only once their decode server's Register has arrived and been validated."""
         hold = [r for r in self.waiting_queue
-                if getattr(r, "bootstrap_room", None) is not None and not getattr(r, "pd_registered", False)]
+                if r.bootstrap_room is not None and not r.pd_registered]
         if hold:
             ids = {id(r) for r in hold}
             self.waiting_queue = [r for r in self.waiting_queue if id(r) not in ids]
@@ -363,7 +356,7 @@ class PrefillScheduler(Scheduler):
         self.pd.pages_moved += f.pages
         self.pd_transfers += 1
         self.push.send(f.reg.notify_addr, Done(room, self.cp_rank, self.cp_size, req.output_ids[0], req.cached_tokens,
-                                               nbytes, f.pages, spec_state(self.tp_worker, req.req_pool_idx)))
+                                               nbytes, f.pages, self.tp_worker.export_req_state(req.req_pool_idx)))
         req.finished_reason = FINISH_LENGTH(len(req.output_ids))
         self._finish(room, req)
 

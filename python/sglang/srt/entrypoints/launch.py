@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from sglang import __version__
+from sglang.version import __version__
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 from sglang.srt.utils.common import configure_logger
 from sglang.srt.utils.ipc import PortArgs

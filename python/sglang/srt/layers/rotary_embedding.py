@@ -15,6 +15,16 @@ import torch
 from torch import nn
 
 
+def rope_parameters_of(hf_config) -> dict[str, Any]:
+    """The rope dict of a config in transformers-5 form (`rope_parameters`), accepting the older
+    `rope_scaling` + `rope_theta` spelling that DeepSeek checkpoints ship."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
 def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0

@@ -40,42 +40,22 @@ Test hooks: `layer_load_delay_s` (seconds, or a callable(layer_id)) delays each 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from sglang.srt.mem_cache import hicache_io
 from sglang.srt.mem_cache.cp_page_map import page_owner, physical_page
 from sglang.srt.mem_cache.hicache_io import PageRuns
+from sglang.srt.mem_cache.hicache_transfer import TransferOp
 from sglang.srt.mem_cache.memory_pool import KVCache
 from sglang.srt.mem_cache.memory_pool_host import HostKVPool
 
 logger = logging.getLogger(__name__)
-_op_ids = itertools.count(1)
-
-
-@dataclass
-class TransferOp:
-    """One queued transfer of whole pages (host slots and device slots, page-aligned, same order)."""
-
-    kind: str  # "load" | "backup" | "store" (host -> L3)
-    host_indices: torch.Tensor
-    device_indices: torch.Tensor
-    page_keys: list | None = None  # per-page content keys (prefix hashes) for trace / L3
-    id: int = field(default_factory=lambda: next(_op_ids))
-    # per pair: layers copied (load: enqueued on the copy stream), guarded by the controller's lock
-    progress: list[int] = field(default_factory=list)
-    events: list[list[Any]] = field(default_factory=list)  # per pair, per layer: CUDA event or None
-    done: bool = False
-    error: BaseException | None = None
-    on_done: Callable[["TransferOp"], None] | None = None
-    nodes: list = field(default_factory=list)  # radix nodes the op pins (owned by the cache)
 
 
 class _PoolCounter:

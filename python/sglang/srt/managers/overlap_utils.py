@@ -20,7 +20,7 @@ possible without a device->host round trip between steps:
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Generic, TypeVar
+from typing import Callable, Generic, Protocol, TypeVar
 
 import torch
 
@@ -58,8 +58,21 @@ class Pending(Generic[T]):
         return self._value
 
 
+class Launcher(Protocol):
+    """Runs a worker's steps in launch order. `inline`: on the caller's thread (so a layer-end
+    hook of the forward runs on the scheduler's thread, between its other work)."""
+
+    inline: bool
+
+    def launch(self, fn: Callable[[], T]) -> Pending[T]: ...
+
+    def shutdown(self) -> None: ...
+
+
 class InlineLauncher:
     """Runs the step now, on this thread."""
+
+    inline = True
 
     def launch(self, fn: Callable[[], T]) -> Pending[T]:
         return Pending(value=fn())
@@ -71,6 +84,8 @@ class InlineLauncher:
 class ThreadLauncher:
     """Runs steps on one worker thread, in launch order (the CPU's stand-in for a CUDA stream)."""
 
+    inline = False
+
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-forward")
 
@@ -79,6 +94,9 @@ class ThreadLauncher:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+INLINE_LAUNCHER = InlineLauncher()  # stateless: one serves every worker that runs steps inline
 
 
 def make_launcher(device: str, world_size: int, overlap: bool) -> InlineLauncher | ThreadLauncher:

@@ -111,6 +111,18 @@ class Req:
         self.created_time = time.monotonic()
         self.first_token_time: float | None = None
         self.admitted = False
+        # HiCache: prompt tokens already counted in its write-selective hit statistics.
+        self.hicache_counted_len = 0
+        # PD disaggregation (disaggregation/prefill.py, decode.py): the room naming the request on
+        # both servers; prefill: its transfer registered by the decode server; decode: the prefill
+        # server's bootstrap address, and its KV + first token arrived.
+        self.bootstrap_room: int | None = None
+        self.pd_registered = False
+        self.pd_prefill_addr: str | None = None
+        self.pd_done = False
+        # A PD prefill server only computes the prompt's KV and first token: only an abort finishes
+        # the request there, the decode server applies EOS / stop / length (check_finished).
+        self.abort_only_stop_rules = False
 
     # The tokens whose KV this request can hold: the prompt, then outputs (the last output
     # token gets KV only when it is fed back in the next decode step).
@@ -154,6 +166,11 @@ class Req:
         return bool(self.grammar is not None or self.custom_logit_processor or sp.frequency_penalty
                     or sp.presence_penalty or sp.repetition_penalty != 1.0 or sp.min_new_tokens)
 
+    def set_finish_with_abort(self, error_msg: str, status_code: int = 400) -> None:
+        """Finish as an abort (upstream's name): what the grammar queue calls, so constrained/
+        needs no finish-reason types."""
+        self.finished_reason = FINISH_ABORT(error_msg, status_code)
+
     def reset_for_retract(self) -> None:
         self.req_pool_idx = None
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
@@ -168,6 +185,8 @@ class Req:
             return
         if self.to_abort is not None:
             self.finished_reason = FINISH_ABORT(self.to_abort)
+            return
+        if self.abort_only_stop_rules:
             return
         sp = self.sampling_params
         if not self.output_ids:

@@ -36,15 +36,14 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.constrained.grammar_registry import create_grammar_backend
 from sglang.srt.constrained.grammar_manager import GrammarManager
 from sglang.srt.managers.admission_watchdog import AdmissionWatchdog
+from sglang.srt.managers.cache_factory import create_tree_cache
 from sglang.srt.managers.request_limits import max_new_tokens_limit, request_length_error
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import PrefillAdder, order_waiting_queue
 from sglang.srt.managers.scheduler_metrics_mixin import SchedulerMetricsMixin
 from sglang.srt.managers.scheduler_output_processor import GenerationBatchResult, SchedulerOutputProcessorMixin
-from sglang.srt.mem_cache.base_prefix_cache import ChunkCache
-from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.managers.overlap_utils import FUTURE_TOKEN, Pending
-from sglang.srt.managers.tp_worker import create_worker
+from sglang.srt.managers.tp_worker import BaseTpWorker, TpModelWorker
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.utils.common import cdiv
 from sglang.srt.sampling.custom_logit_processor import CUSTOM_LOGIT_PROCESSOR_DISABLED
@@ -61,6 +60,17 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
+def create_worker(server_args: ServerArgs, model_config: ModelConfig,
+                  tp_group: GroupCoordinator = SINGLE_GROUP) -> BaseTpWorker:
+    """The worker the server's flags ask for: plain, or speculative (EAGLE / NEXTN). Here, beside the
+    scheduler that builds it: tp_worker.py (the contract) then imports no worker of its own."""
+    if server_args.speculative_algorithm is not None:
+        from sglang.srt.speculative.eagle_worker import EAGLEWorker
+
+        return EAGLEWorker(server_args, model_config, tp_group)
+    return TpModelWorker(server_args, model_config, tp_group)
+
+
 class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None, tokenizer=None,
                  tp_group: GroupCoordinator = SINGLE_GROUP) -> None:
@@ -68,7 +78,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         self.model_config = model_config or model_config_from_server_args(server_args)
         torch.manual_seed(server_args.random_seed)
         self.tokenizer = tokenizer
-        self.tp_worker = worker = create_worker(server_args, self.model_config, tp_group)
+        self.tp_worker: BaseTpWorker = create_worker(server_args, self.model_config, tp_group)
+        worker = self.tp_worker
         self.device = server_args.device
         self.page_size = server_args.page_size
         self.req_to_token_pool = worker.req_to_token_pool
@@ -79,14 +90,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         # The launched step whose results are not processed yet (overlap), as (batch, pending).
         self.in_flight: tuple[ScheduleBatch, Pending] | None = None
         self.context_len = self.model_config.context_len
-        if server_args.enable_hierarchical_cache:
-            from sglang.srt.mem_cache.hiradix_cache import create_hiradix_cache
-
-            self.tree_cache = create_hiradix_cache(server_args, worker, self.req_to_token_pool, self.allocator,
-                                                   self.page_size)
-        else:
-            cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
-            self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.page_size)
+        self.tree_cache = create_tree_cache(server_args, worker, self.page_size)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -240,9 +244,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         chunk is in flight (its request continues next, and only one request is chunked at a time)."""
         if not self._overlap_active() or any(r.is_chunked for r in self.in_flight[0].reqs):
             return False
-        worker_needs = getattr(self.tp_worker, "needs_host_state", None)
-        return not any(r.needs_host_sampling_state() or (worker_needs is not None and worker_needs(r))
-                       for r in self.running)
+        return not any(r.needs_host_sampling_state() or self.tp_worker.needs_host_state(r) for r in self.running)
 
     def _process_in_flight(self) -> list[ReqOutput]:
         batch, pending = self.in_flight
@@ -513,7 +515,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             kv_leak=self.kv_leak_report(),
             num_used_tokens=self.get_token_info()[0],
             gen_throughput=self.last_gen_throughput,
-            avg_spec_accept_length=getattr(self.tp_worker, "avg_accept_length", 0.0),
+            avg_spec_accept_length=self.tp_worker.avg_accept_length,
             num_grammar_queue_reqs=len(self.grammar_manager),
             num_retracted_reqs=self.num_retracted_reqs,
             host_cached_tokens=self.tree_cache.host_total_size(),

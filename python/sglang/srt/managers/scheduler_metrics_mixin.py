@@ -81,7 +81,7 @@ class SchedulerMetricsMixin:
         if not (self._log_stats and logger.isEnabledFor(logging.INFO)):
             return
         used, usage = self.get_token_info()
-        graph = bool(getattr(self.tp_worker.model_runner, "last_forward_used_graph", False))
+        graph = self.tp_worker.model_runner.last_forward_used_graph
         logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, cuda graph: %s, "
                     "gen throughput (token/s): %.2f, #queue-req: %d, ", len(batch.reqs), used, usage, graph,
                     self.last_gen_throughput, len(self.waiting_queue))

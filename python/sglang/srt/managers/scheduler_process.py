@@ -23,7 +23,6 @@ from sglang.srt.managers.io_struct import (
     GetLoadReq,
     TokenizedGenerateReqInput,
 )
-from sglang.srt.disaggregation import scheduler_class
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tokenizer_utils import load_tokenizer
 from sglang.srt.server_args import ServerArgs
@@ -35,6 +34,20 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000
 EVENT_POLL_MS = 2  # idle, but HiCache copies are still to be acknowledged
 WAKE = "wake"  # rank 0 saw input on one of the scheduler's wake sources: step, even when idle
+
+
+def scheduler_class(server_args: ServerArgs) -> type[Scheduler]:
+    """The Scheduler class of this server's --disaggregation-mode (chosen here, by the process entry
+    that builds it: the PD schedulers subclass Scheduler, so scheduler.py cannot name them)."""
+    if server_args.disaggregation_mode == "prefill":
+        from sglang.srt.disaggregation.prefill import PrefillScheduler
+
+        return PrefillScheduler
+    if server_args.disaggregation_mode == "decode":
+        from sglang.srt.disaggregation.decode import DecodeScheduler
+
+        return DecodeScheduler
+    return Scheduler
 
 
 class Shutdown:

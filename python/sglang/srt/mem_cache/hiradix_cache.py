@@ -37,9 +37,9 @@ import time
 
 import torch
 
-from sglang.srt.managers.cache_controller import HiCacheController, TransferOp
 from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 from sglang.srt.mem_cache.cp_page_map import page_owner
+from sglang.srt.mem_cache.hicache_transfer import HostTransfers, TransferOp
 from sglang.srt.mem_cache.memory_pool_host import HostPageAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 from sglang.srt.mem_cache.storage.hicache_storage import page_hashes
@@ -94,13 +94,13 @@ def _device_busy(x: HiTreeNode) -> bool:
 
 class HiRadixCache(RadixCache):
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int,
-                 controller: HiCacheController, host_allocator: HostPageAllocator,
+                 controller: HostTransfers, host_allocator: HostPageAllocator,
                  write_policy: str = "write_through") -> None:
         if write_policy not in WRITE_THRESHOLDS:
             raise ValueError(f"hicache write policy {write_policy!r} not in {sorted(WRITE_THRESHOLDS)}")
         self.controller, self.host_allocator, self.write_policy = controller, host_allocator, write_policy
         self.write_threshold = WRITE_THRESHOLDS[write_policy]
-        self.backup = None  # AsyncBackup (managers/hicache_backup.py), set by the builder for write_through
+        self.backup = None  # AsyncBackup (managers/hicache_backup.py), set by managers/cache_factory.py for write_through
         self.cp_size = controller.cp_size
         self.stats: collections.Counter = collections.Counter()  # loaded_tokens, backed_up_tokens, evicted_to_host
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
@@ -441,7 +441,7 @@ class HiRadixCache(RadixCache):
         token_ids = req.kv_token_ids()[:kv_len]
         kv = self.req_kv_indices(req, self.req_to_token_pool, kv_len)
         aligned = self._align(kv_len)
-        counted = getattr(req, "hicache_counted_len", 0)
+        counted = req.hicache_counted_len
         new_prefix = self.insert(token_ids[:aligned], kv[:aligned], counted_len=counted)
         req.hicache_counted_len = max(counted, aligned)
         if self.backup is not None:
@@ -519,44 +519,3 @@ def page_prefix_hashes(token_ids: list[int], page_size: int, start: int = 0) -> 
     (`storage.page_hashes`, chained over the whole prefix), also the KV trace's fingerprints."""
     return page_hashes(token_ids, page_size)[start // page_size:]
 
-
-def worker_kv_pools(worker) -> list:
-    """The device KV pools a worker's runners own: the target's, then the draft's (EAGLE)."""
-    pools = [worker.model_runner.token_to_kv_pool]
-    draft = getattr(worker, "draft_runner", None)
-    if draft is not None:
-        pools.append(draft.token_to_kv_pool)
-    return pools
-
-
-def create_hiradix_cache(server_args, worker, req_to_token_pool, allocator, page_size: int) -> HiRadixCache:
-    """HiRadixCache over host mirrors of every pool of `worker`, sized by --hicache-size / --hicache-ratio."""
-    from sglang.srt.debug.kv_trace import hicache_trace
-    from sglang.srt.managers.hicache_backup import AsyncBackup
-    from sglang.srt.managers.overlap_utils import InlineLauncher
-    from sglang.srt.mem_cache.memory_pool_host import HostKVPool, plan_host_tokens
-    sa = server_args
-    cp = getattr(worker.model_runner, "cp_group", None)
-    pools = worker_kv_pools(worker)
-    tokens = plan_host_tokens(worker.max_total_num_tokens, [p.layout() for p in pools], sa.hicache_ratio,
-                              sa.hicache_size, page_size)
-    pairs = [(p, HostKVPool(p, tokens, sa.hicache_mem_layout)) for p in pools]
-    controller = HiCacheController(pairs, sa.hicache_io_backend, cp.rank if cp else 0, cp.world_size if cp else 1)
-    controller.trace = hicache_trace()  # None unless SGLANG_CP_HICACHE_KV_TRACE >= 1
-    if sa.hicache_storage_backend is not None:
-        if cp is not None and cp.world_size > 1:  # each rank's host holds only the pages it owns
-            logger.error("HiCache storage tier is not supported with context parallel yet: disabled")
-        else:
-            from sglang.srt.mem_cache.storage.tier import create_storage_tier
-
-            controller.storage = create_storage_tier(sa, [h for _, h in pairs], getattr(worker, "tp_rank", 0),
-                                                     worker.model_runner.model_config)
-    cache = HiRadixCache(req_to_token_pool, allocator, page_size, controller, HostPageAllocator(tokens, page_size),
-                         sa.hicache_write_policy)
-    launcher = getattr(worker, "launcher", None)
-    if sa.hicache_write_policy == "write_through" and (launcher is None or isinstance(launcher, InlineLauncher)):
-        cache.backup = AsyncBackup(cache)  # reserve before the forward, copy at layer ends
-    logger.info("HiCache: host pool of %d tokens (%.2f GB, %d mirror(s), %s), write policy %s", tokens,
-                sum(h.get_size_bytes() for _, h in pairs) / 1e9, len(pairs), sa.hicache_mem_layout,
-                sa.hicache_write_policy)
-    return cache

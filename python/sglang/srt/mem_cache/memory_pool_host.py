@@ -51,7 +51,7 @@ def plan_host_tokens(device_tokens: int, layouts: list[KVPoolLayout], ratio: flo
     """Host tokens for mirrors of `layouts` (target [+ draft]): --hicache-size GB when > 0, else
     --hicache-ratio x device tokens; page-aligned. Raises ServerArgsError (naming the flag that
     set the size) when the mirrors would not fit in free host memory."""
-    from sglang.srt.server_args import ServerArgsError
+    from sglang.srt.errors import ServerArgsError
 
     per_token = sum(host_bytes_per_token(lo) for lo in layouts)
     flag = "hicache_size" if size_gb > 0 else "hicache_ratio"

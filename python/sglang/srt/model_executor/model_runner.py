@@ -96,6 +96,8 @@ class ModelRunner:
         self.model_config, self.server_args, self.world_group = model_config, sa, tp_group
         self.cp_group = tp_group if sa.enable_nsa_prefill_context_parallel and tp_group.world_size > 1 else None
         self.tp_group = SINGLE_GROUP if self.cp_group is not None else tp_group
+        self.cp_counter = None  # CP: the collectives' element counts (tests, stats)
+        self.last_forward_used_graph = False  # the decode stats log says so
         self.device = sa.device
         self.page_size = sa.page_size
         # process-wide kernel choice (layers/batch_invariant.py): set from every runner, on or off

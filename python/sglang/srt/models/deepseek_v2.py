@@ -21,7 +21,6 @@ from sglang.srt.configs.index_layers import (
     get_index_layer_schedule,
     layer_index_role,
 )
-from sglang.srt.configs.model_config import rope_parameters_of
 from sglang.srt.debug import checks as debug_checks
 from sglang.srt.debug import kv_trace
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
@@ -42,7 +41,7 @@ from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorO
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.moe.topk import TopKConfig, select_experts
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.layers.rotary_embedding import RotaryEmbedding, yarn_softmax_scale_multiplier
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, rope_parameters_of, yarn_softmax_scale_multiplier
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglang.srt.layers.attention.nsa.cp_backend import cp_all_gather_hidden, cp_collect_last_token_hidden
 from sglang.srt.layers.moe.moe_registry import create_dispatcher

@@ -48,17 +48,19 @@ import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
+from sglang.srt.errors import ServerArgsError
 from sglang.srt.layers.sampler import Sampler
 from sglang.srt.managers.overlap_utils import FUTURE_TOKEN, Pending
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.scheduler_output_processor import BatchOutputCopy, GenerationBatchResult
-from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.managers.tp_worker import BaseTpWorker, ReqState, TpModelWorker
+from sglang.srt.mem_cache.memory_pool import KVCache
 from sglang.srt.model_executor.cuda_graph_runner import GraphSpec, StaticInput
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.model_executor.memory_plan import draft_memory_needs
 from sglang.srt.model_executor.model_runner import ModelRunner, kv_bytes_per_token
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-from sglang.srt.server_args import ServerArgs, ServerArgsError
+from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.token_map import HotTokenHead, draft_token_ids, load_token_map
 from sglang.srt.utils.common import copies_done_event, to_host_async, upload
 
@@ -98,7 +100,7 @@ def draft_decode_spec(draft_config: ModelConfig) -> GraphSpec:
                      extra_outputs=("hidden_states",), capture_hidden_mode=CaptureHiddenMode.LAST)
 
 
-class EAGLEWorker:
+class EAGLEWorker(BaseTpWorker):
 
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig,
                  tp_group: GroupCoordinator = SINGLE_GROUP) -> None:
@@ -165,6 +167,23 @@ class EAGLEWorker:
 
     def shutdown(self) -> None:
         self.target.shutdown()
+
+    def kv_pools(self) -> dict[str, KVCache]:
+        return {"target": self.model_runner.token_to_kv_pool, "draft": self.draft_runner.token_to_kv_pool}
+
+    def export_req_state(self, slot: int) -> ReqState:
+        """PD: the first proposal d1 and the draft's last hidden state of a prefilled request."""
+        hidden = self.draft_hidden[slot].detach().to("cpu").contiguous()
+        return int(self.next_draft[slot]), hidden.view(torch.uint8).numpy().tobytes()
+
+    def import_req_state(self, slot: int, kv_len: int, state: ReqState | None) -> None:
+        if state is None:
+            raise RuntimeError("the prefill server sent no draft state: --speculative-algorithm must match on both")
+        draft, raw = state
+        hidden = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(self.draft_hidden.dtype)
+        self.kv_len[slot] = kv_len
+        self.next_draft[slot] = draft
+        self.draft_hidden[slot] = hidden.to(self.draft_hidden.device)
 
     def needs_host_state(self, req: Req) -> bool:
         """Besides what any request's sampling needs: a seeded draw's step counts the tokens the

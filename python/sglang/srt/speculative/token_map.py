@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers import batch_invariant
-from sglang.srt.server_args import ServerArgsError
+from sglang.srt.errors import ServerArgsError
 
 FLAG = "speculative_token_map"
 

@@ -17,19 +17,22 @@ import torch
 from sglang.srt.managers.overlap_utils import Pending
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler_output_processor import GenerationBatchResult
-from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.managers.tp_worker import BaseTpWorker, TpModelWorker
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 
-class RandomAcceptWorker:
+class RandomAcceptWorker(BaseTpWorker):
     supports_overlap = False  # how many rows a step keeps is known only after it ran
 
     def __init__(self, inner: TpModelWorker, num_tokens_per_req: int, seed: int = 0) -> None:
         self.inner, self.num_tokens_per_req = inner, num_tokens_per_req
-        self.world_group, self.model_runner = inner.world_group, inner.model_runner
+        self.world_group, self.model_runner, self.token_table = inner.world_group, inner.model_runner, inner.token_table
         self.rng = random.Random(seed)
         self.accepted_hist: list[int] = []  # every accept length chosen (tests check both ends occur)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
 
     def forward_batch_generation(self, batch: ScheduleBatch) -> Pending:
         if batch.forward_mode != ForwardMode.DECODE:

@@ -15,7 +15,7 @@ import traceback
 
 import uvicorn
 
-from sglang.srt.disaggregation import scheduler_class
+from sglang.srt.managers.scheduler_process import scheduler_class
 from sglang.srt.server_args import prepare_server_args
 from sglang.srt.testing.server import ServerClient, wait_healthy
 from sglang.srt.utils.ipc import PortArgs, free_port
@@ -72,7 +72,7 @@ class InProcessServer(ServerClient):
         self._detok.event_loop(self._stop.is_set)
 
     def _serve_http(self, sa, port_args) -> None:
-        from sglang import __version__
+        from sglang.version import __version__
         from sglang.srt.entrypoints.http_server import create_app
         from sglang.srt.managers.tokenizer_manager import TokenizerManager
 

@@ -93,7 +93,7 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
         out.clear()
         step_s.clear()
         layer_ends.clear()
-        if getattr(sched.tp_worker.model_runner, "cp_counter", None) is not None:
+        if sched.tp_worker.model_runner.cp_counter is not None:
             sched.tp_worker.model_runner.cp_counter.elements.clear()
     submit(case.prompts, "p")
     drain()
@@ -104,14 +104,14 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
         submit(batch, f"r{k}_")
         drain()
     mr = sched.tp_worker.model_runner
-    draft = getattr(sched.tp_worker, "draft_runner", None)
+    draft = sched.tp_worker.kv_pools().get("draft")
     if draft is not None:
-        out["_draft"] = {"pool_slots": draft.token_to_kv_pool.size, "debug": debug_records[n_debug_before:],
+        out["_draft"] = {"pool_slots": draft.size, "debug": debug_records[n_debug_before:],
                          "accept_length": sched.tp_worker.avg_accept_length}
     out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s, "cached_tokens": sched.num_cached_tokens,
                      "cache_stats": dict(getattr(sched.tree_cache, "stats", {})), "layer_ends": layer_ends,
-                     "comm": dict(getattr(mr, "cp_counter", None).elements)
-                     if getattr(mr, "cp_counter", None) else {},
+                     "comm": dict(mr.cp_counter.elements)
+                     if mr.cp_counter is not None else {},
                      "pool_slots": mr.token_to_kv_pool.size, "capacity": sched.max_total_num_tokens,
                      # pages each rank stores now (the prefix cache keeps the finished requests' KV)
                      "owned_pages": getattr(mr.token_to_kv_pool_allocator, "owned_pages", lambda: None)(),

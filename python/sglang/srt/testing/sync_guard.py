@@ -26,9 +26,9 @@ class HostSyncError(RuntimeError):
 @functools.lru_cache(maxsize=1)
 def _roots() -> tuple[str, ...]:
     import sgl_kernel
-    import sglang
 
-    return tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sglang, sgl_kernel))
+    sglang_dir = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # sglang/srt/testing/
+    return tuple(d + os.sep for d in (sglang_dir, os.path.dirname(os.path.abspath(sgl_kernel.__file__))))
 
 
 def _ours(frame) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -37,8 +37,24 @@ from sglang.srt.mem_cache.storage.hicache_storage import (
     store_pool_pages,
 )
 
-if TYPE_CHECKING:
-    from sglang.srt.server_args import ServerArgs
+
+
+class StorageServerArgs(Protocol):
+    """The flags the tier reads (a ServerArgs has them): what names its namespace and fingerprint."""
+
+    model_path: str
+    served_model_name: str | None
+    load_format: str
+    dtype: str
+    quantization: str | None
+    tp_size: int
+    attn_cp_size: int
+    nnodes: int
+    enable_hierarchical_cache: bool
+    hicache_storage_backend: str | None
+    hicache_storage_backend_extra_config: str | None
+    hicache_storage_prefetch_policy: str
+
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +151,7 @@ class StorageTier:
             b.close()
 
 
-def create_storage_tier(server_args: "ServerArgs", hosts: Sequence[PagedKV], rank: int = 0,
+def create_storage_tier(server_args: StorageServerArgs, hosts: Sequence[PagedKV], rank: int = 0,
                         model_config=None) -> StorageTier:
     """The tier of `--hicache-storage-backend`: namespace = model + rank + KV fingerprint (the draft
     pool its own); every page carries the fingerprint, and a page of another is refused."""
@@ -163,7 +179,7 @@ def create_storage_tier(server_args: "ServerArgs", hosts: Sequence[PagedKV], ran
                        float(extra.get("prefetch_timeout_per_ki_token", 0.25)))
 
 
-def pool_fingerprint(server_args: "ServerArgs", model_config, layout, weights_override: str | None = None) -> str:
+def pool_fingerprint(server_args: StorageServerArgs, model_config, layout, weights_override: str | None = None) -> str:
     """The KV fingerprint of one pool of this server (see storage/fingerprint.py for the inputs)."""
     sa = server_args
     weights: list | str = weights_override or weights_identity(

@@ -92,7 +92,8 @@ class Harness:
         m = self.cache.match_prefix(tokens)
         self.cache.inc_lock_ref(m.last_node)
         req = SimpleNamespace(rid=f"r{tokens[0]}", req_pool_idx=self.r2t.alloc(1)[0], prefix_indices=m.device_indices,
-                              last_node=m.last_node, kv_committed_len=len(tokens))
+                              last_node=m.last_node, kv_committed_len=len(tokens),
+                              hicache_counted_len=0)  # as Req declares it
         req.fill_ids = req.kv_token_ids = lambda: tokens
         self.r2t.write(req.req_pool_idx, 0, m.device_indices)
         new = self.alloc.alloc(len(tokens) - len(m.device_indices))

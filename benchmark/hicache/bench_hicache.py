@@ -199,18 +199,29 @@ def bench_copy(args, hi) -> dict:
                             fin.set()
                     _sync()
                     t0 = time.perf_counter()
+                    runs = ctl.plan(h, s)  # once per forward, as the backup reservation does
                     for lid in range(pool.layer_num):
-                        ctl.backup_layer(0, lid, s, h, None, done)
+                        ctl.backup_layer(0, lid, s, h, None, done, runs)
                     if not fin.wait(600) or errs:
                         raise RuntimeError(f"{backend}/{layout}/{name}: layer backups failed {errs[:1]}")
                     return time.perf_counter() - t0
 
+                def bare(to_host: bool) -> float:
+                    """The copies alone: queued on this thread's stream, planned beforehand, no copy thread."""
+                    runs = ctl.plan(h, s) if to_host else ctl.plan(h, d)
+                    copy = ctl._copy_to_host if to_host else ctl._copy_to_device
+                    return min(_timed(lambda: [copy(0, lid, runs, None) for lid in range(pool.layer_num)])
+                               for _ in range(args.repeats + 1))
+
+                plan_s = min(_timed(lambda: ctl.plan(h, s)) for _ in range(args.repeats + 1))
+                bare_backup = bare(True)
                 backup = [run(lambda: ctl.backup(s, h)) for _ in range(args.repeats + 1)][1:]
                 layers = [layerwise() for _ in range(args.repeats + 1)][1:]
                 for lid in range(pool.layer_num):  # the load alone must bring the pages back
                     for p in pool.page_payloads(lid):
                         p.buffer.view(torch.uint8)[dp.to(p.buffer.device)] = 0
                 load = [run(lambda: ctl.load(h, d)) for _ in range(args.repeats + 1)][1:]
+                bare_load = bare(False)
                 exact = all(torch.equal(b[dp.to(b.device)], b[sp.to(b.device)])  # bytes: random bits hold NaNs
                             for lid in range(pool.layer_num)
                             for b in (p.buffer.view(torch.uint8) for p in pool.page_payloads(lid)))
@@ -219,7 +230,10 @@ def bench_copy(args, hi) -> dict:
                              "host_copies_per_payload": runs.num_host_copies(),
                              "backup_GBps": nbytes / statistics.median(backup) / 1e9,
                              "backup_layerwise_GBps": nbytes / statistics.median(layers) / 1e9,
-                             "load_GBps": nbytes / statistics.median(load) / 1e9})
+                             "load_GBps": nbytes / statistics.median(load) / 1e9,
+                             # where an op's time goes: the copies alone (no thread, no plan) and the plan
+                             "bare_backup_GBps": nbytes / bare_backup / 1e9, "bare_load_GBps": nbytes / bare_load / 1e9,
+                             "plan_us": plan_s * 1e6})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                 if not exact:
                     raise RuntimeError(f"{backend}/{layout}/{name}: the round trip changed the pages")
@@ -232,6 +246,8 @@ def bench_copy(args, hi) -> dict:
         r["backup_ratio"] = r["backup_GBps"] / plain["plain_d2h_GBps"]
         r["backup_layerwise_ratio"] = r["backup_layerwise_GBps"] / plain["plain_d2h_GBps"]
         r["load_ratio"] = r["load_GBps"] / plain["plain_h2d_GBps"]
+        r["bare_backup_ratio"] = r["bare_backup_GBps"] / plain["plain_d2h_GBps"]
+        r["bare_load_ratio"] = r["bare_load_GBps"] / plain["plain_h2d_GBps"]
     return {"tokens": tokens, "bytes": nbytes, "page_size": page, "layers": pool.layer_num,
             "memcpy2d": hicache_io.memcpy2d_available(), **plain, "rows": rows}
 

@@ -194,15 +194,18 @@ class HiCacheController:
         return op
 
     def backup_layer(self, pair: int, layer_id: int, device_indices: torch.Tensor, host_indices: torch.Tensor,
-                     page_keys: list | None, done: Callable[[BaseException | None], None]) -> None:
+                     page_keys: list | None, done: Callable[[BaseException | None], None],
+                     runs: PageRuns | None = None) -> None:
         """Queue one layer's backup (a layer-end hook); `done(error)` runs on the copy thread. The
-        forward thread only records an event here: the plan is made on the copy thread."""
+        forward thread only records an event here. `runs`: the slots' plan, made once for all layers
+        (`plan(host_indices, device_indices)`); without it the copy thread plans each layer."""
         ready = self._compute_event()
 
         def run() -> None:
             err = None
             try:
-                self._copy_to_host(pair, layer_id, self.plan(host_indices, device_indices), page_keys)
+                plan = runs if runs is not None else self.plan(host_indices, device_indices)
+                self._copy_to_host(pair, layer_id, plan, page_keys)
                 self._sync(self._write_stream)
             except BaseException as e:
                 err = e

@@ -68,6 +68,7 @@ class BackupReservation:
         self.state = BackupState.RESERVED
         self.nodes: list = []  # attached tree nodes (pinned)
         self.page_keys: list[str] | None = None  # content keys for the KV trace / L3 (when one is set)
+        self.runs = None  # the controller's PageRuns of these slots, shared by every layer's copy
         self.attached = False
 
     # -- transitions ------------------------------------------------------------------------------
@@ -176,6 +177,7 @@ class AsyncBackup:
             r = BackupReservation(key, start, dev, host, self.expected)
             r.rid = req.rid
             ctl = self.controller
+            r.runs = ctl.plan(host, dev)  # once: every layer's backup copies the same page runs
             r.page_keys = (page_prefix_hashes(key, self.cache.page_size, start)
                            if ctl.trace is not None or ctl.storage is not None else None)
             self.stats["reserved"] += 1
@@ -189,7 +191,7 @@ class AsyncBackup:
         for r in self.current:
             if r.layer_enqueued(pair, layer):
                 self.controller.backup_layer(pair, layer, r.device_indices, r.host_indices, r.page_keys,
-                                             lambda err, r=r: self._acks.append((r, pair, layer, err)))
+                                             lambda err, r=r: self._acks.append((r, pair, layer, err)), r.runs)
 
     def covers(self, node) -> int:
         """Leading tokens of a freshly inserted device node whose backup a live reservation makes."""

@@ -256,7 +256,7 @@ def bench_copy(args, hi) -> dict:
 def bench_prefill(args, hi, cold, length: int) -> dict:
     tc = hi.scheduler.tree_cache
     t = {"backup_on": [], "backup_drained": [], "recompute": [], "host_hit": []}
-    same = []
+    same, reload_exact = [], []
     for rep in _progress(range(args.repeats + 1), f"prefill {length}"):
         hi.flush_cache()
         prompt = _prompt(length, 1000 + rep)
@@ -278,9 +278,17 @@ def bench_prefill(args, hi, cold, length: int) -> dict:
         m = tc.match_prefix(prompt)
         if m.host_hit_length < length // 2:
             raise RuntimeError(f"prefix not on the host (device {len(m.device_indices)}, host {m.host_hit_length})")
-        out["hit"] = _timed(lambda: out.__setitem__("tok_hit", hi.generate(input_ids=prompt, sampling_params=SP)))
+        out["hit"] = _timed(lambda: out.__setitem__("tok_hit", hi.generate(input_ids=prompt, sampling_params=SP,
+                                                                         return_logprob=True)))
         tc.controller.wait_idle(600)
         tc.check_events()
+        # The reloaded pages against the same pages never evicted: a device hit over the same prefix
+        # runs the same extend shape, so its token and logprob must be equal bit for bit -- a host
+        # copy that lost or shuffled bytes (the fork's "garbage after reload") shows here.
+        dev_hit = hi.generate(input_ids=prompt, sampling_params=SP, return_logprob=True)
+        hit = out["tok_hit"]
+        reload_exact.append(_first(hit) == _first(dev_hit)
+                            and hit["meta_info"]["cached_tokens"] == dev_hit["meta_info"]["cached_tokens"])
         if rep == 0:
             continue  # warm-up
         t["backup_on"].append(out["on"])
@@ -294,7 +302,14 @@ def bench_prefill(args, hi, cold, length: int) -> dict:
             "prefill_backup_off_s": med["recompute"], "backup_overhead": med["backup_on"] / med["recompute"] - 1,
             "backup_drained_s": med["backup_drained"], "samples": t,
             "same_first_token": same,  # random weights: a near-tie can flip between batch shapes
+            "reload_exact": reload_exact,  # host hit == device hit (token + logprob): must all be true
             "committed_backups": tc.backup.stats["committed"] if tc.backup is not None else None}
+
+
+def _first(out: dict) -> tuple:
+    """(first token, its logprob) of a max_new_tokens=1 generation."""
+    lp = out["meta_info"]["output_token_logprobs"][0]
+    return out["output_ids"][0], lp[0]
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -305,7 +320,9 @@ def goals(res: dict, args) -> dict:
     return {"copy_ratio_min": min(min(r["backup_ratio"], r["load_ratio"]) for r in rows) if rows else None,
             "host_hit_speedup": long["host_hit_speedup"], "backup_overhead": long["backup_overhead"],
             "targets": GOALS, "at_prefix_len": long["prefix_len"],
-            "met": bool(rows) and min(min(r["backup_ratio"], r["load_ratio"]) for r in rows) >= GOALS["copy_ratio"]
+            "reload_exact": all(all(r["reload_exact"]) for r in res["prefill"]),
+            "met": bool(rows) and all(all(r["reload_exact"]) for r in res["prefill"])
+            and min(min(r["backup_ratio"], r["load_ratio"]) for r in rows) >= GOALS["copy_ratio"]
             and long["host_hit_speedup"] >= GOALS["host_hit_speedup"]
             and long["backup_overhead"] <= GOALS["backup_overhead"]}
 

@@ -120,6 +120,8 @@ class ModelConfig:
         self.is_dsa: bool = self.architecture.removesuffix("NextN") in DSA_ARCHITECTURES
         self.kv_lora_rank: int = int(getattr(cfg, "kv_lora_rank", 0) or 0)
         self.qk_rope_head_dim: int = int(getattr(cfg, "qk_rope_head_dim", 0) or 0)
+        self.qk_nope_head_dim: int = int(getattr(cfg, "qk_nope_head_dim", 0) or 0)
+        self.v_head_dim: int = int(getattr(cfg, "v_head_dim", 0) or 0)
         self.index_head_dim: int = int(getattr(cfg, "index_head_dim", 0) or 0) if self.is_dsa else 0
         self.index_topk: int = int(getattr(cfg, "index_topk", 2048) or 2048) if self.is_dsa else 0
         self.index_n_heads: int = int(getattr(cfg, "index_n_heads", 64) or 64) if self.is_dsa else 0

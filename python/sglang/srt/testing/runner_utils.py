@@ -31,11 +31,14 @@ def prefill_all_logits(model_runner, prompts: list[list[int]], **forward_batch_k
 
 
 def backend_harness(pool, req_to_token_pool, *, num_heads: int = 1, index_heads: int = 0, index_topk: int = 0,
-                    context_len: int | None = None, mla_attn_path: str = "auto", device: str = "cpu"):
+                    context_len: int | None = None, mla_attn_path: str = "auto", device: str = "cpu",
+                    deterministic: bool = False, qk_nope_head_dim: int = 0, v_head_dim: int = 0):
     """The parts of a ModelRunner an attention backend reads, for kernel-level tests without a model."""
     is_dsa = bool(index_topk)
     mc = SimpleNamespace(context_len=context_len or req_to_token_pool.max_context_len, num_attention_heads=num_heads,
                          kv_lora_rank=pool.kv_lora_rank, is_dsa=is_dsa, index_topk=index_topk,
-                         index_n_heads=index_heads)
+                         index_n_heads=index_heads, qk_rope_head_dim=pool.qk_rope_head_dim,
+                         qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim)
     return SimpleNamespace(model_config=mc, token_to_kv_pool=pool, req_to_token_pool=req_to_token_pool,
-                           device=device, tp_group=SINGLE_GROUP, server_args=SimpleNamespace(mla_attn_path=mla_attn_path))
+                           device=device, tp_group=SINGLE_GROUP, server_args=SimpleNamespace(mla_attn_path=mla_attn_path,
+                                                                       enable_deterministic_inference=deterministic))

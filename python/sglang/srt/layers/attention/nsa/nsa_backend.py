@@ -24,6 +24,7 @@ import torch
 from sglang.srt.layers.attention.attention_registry import MLA_PATHS
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.nsa.nsa_indexer import causal_topk, index_scores, index_score_dtype
+from sglang.srt.layers.attention.nsa.utils import DensePrefillRule, dense_prefill_rule
 from sglang.srt.mem_cache.index_k_format import fp8_round_trip
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
@@ -48,12 +49,13 @@ class NSAMetadata:
     prefix_lens: list[int]
     extend_lens: list[int]
     starts: list[int]
+    dense: list[bool]  # per request: extend through dense MHA (nsa.utils.DensePrefillRule)
 
     def kv_indices(self, i: int) -> torch.Tensor:
         return self.page_table[i, : self.seq_lens[i]]
 
 
-def build_nsa_metadata(forward_batch: ForwardBatch) -> NSAMetadata:
+def build_nsa_metadata(forward_batch: ForwardBatch, dense_rule: DensePrefillRule | None = None) -> NSAMetadata:
     r2t = forward_batch.req_to_token_pool.req_to_token
     width = forward_batch.max_seq_len
     table = r2t[forward_batch.req_pool_indices, :width].long()
@@ -69,6 +71,9 @@ def build_nsa_metadata(forward_batch: ForwardBatch) -> NSAMetadata:
         prefix_lens=list(forward_batch.extend_prefix_lens_cpu),
         extend_lens=list(forward_batch.extend_seq_lens_cpu),
         starts=starts,
+        dense=(dense_rule.requests(forward_batch.seq_lens_cpu, forward_batch.extend_seq_lens_cpu)
+               if dense_rule is not None and not forward_batch.forward_mode.is_decode()
+               else [False] * forward_batch.batch_size),
     )
 
 
@@ -86,9 +91,11 @@ class NativeSparseAttnBackend(AttentionBackend):
         if mla_path not in MLA_PATHS:
             raise ValueError(f"mla_path {mla_path!r} not in {MLA_PATHS}")
         self.mla_path = mla_path  # KV is read through forward_batch.token_to_kv_pool (see triton_backend)
+        self.dense_rule = dense_prefill_rule(model_runner.model_config,
+                                             model_runner.server_args.enable_deterministic_inference)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        forward_batch.attn_metadata = build_nsa_metadata(forward_batch)
+        forward_batch.attn_metadata = build_nsa_metadata(forward_batch, self.dense_rule)
 
     # -- attention --------------------------------------------------------------------------------
     def forward_mla(self, q_nope, q_rope, latent, k_rope, layer, forward_batch: ForwardBatch, topk_indices=None,
@@ -101,34 +108,42 @@ class NativeSparseAttnBackend(AttentionBackend):
             slots, valid = ((md.page_table, md.kv_valid) if topk_indices is None
                             else self._topk_slots(md.page_table, topk_indices))
             return self._attend_sparse(pool, layer, q_nope, q_rope, slots, valid)
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], layer.v_head_dim)
+        reqs = [True] * forward_batch.batch_size
         if topk_indices is not None and self.mla_path != "plain":
+            dense = md.dense
             # Gathered sparse attention, vectorised over tokens: each row picks its request's table.
-            out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], layer.v_head_dim)
+            spans = ([(0, q_nope.shape[0])] if not any(dense) else
+                     [(s, s + e) for s, e, d in zip(md.starts, md.extend_lens, dense) if e and not d])
             k = topk_indices.shape[1]
             step = query_chunk(k * max(layer.num_local_heads, layer.kv_lora_rank + layer.qk_rope_head_dim),
                                q_nope.device)
-            for c in range(0, q_nope.shape[0], step):
-                rows = slice(c, c + step)
-                table = md.page_table[forward_batch.token_to_req[rows]]
-                slots, valid = self._topk_slots(table, topk_indices[rows])
-                out[rows] = self._attend_sparse(pool, layer, q_nope[rows], q_rope[rows], slots, valid)
-            return out
-        return self._extend_per_request(pool, layer, q_nope, q_rope, forward_batch, md, topk_indices)
+            for a, b in spans:
+                for c in range(a, b, step):
+                    rows = slice(c, min(c + step, b))
+                    table = md.page_table[forward_batch.token_to_req[rows]]
+                    slots, valid = self._topk_slots(table, topk_indices[rows])
+                    out[rows] = self._attend_sparse(pool, layer, q_nope[rows], q_rope[rows], slots, valid)
+            if not any(dense):
+                return out
+            topk_indices, reqs = None, dense  # what is left: the dense requests
+        return self._extend_per_request(pool, layer, q_nope, q_rope, forward_batch, md, topk_indices, out, reqs)
 
-    def _extend_per_request(self, pool, layer, q_nope, q_rope, forward_batch, md: NSAMetadata, topk_indices):
-        """Dense (or plain-with-top-k) extend: each request's queries over its own cached keys."""
+    def _extend_per_request(self, pool, layer, q_nope, q_rope, forward_batch, md: NSAMetadata, topk_indices,
+                            out: torch.Tensor, reqs: list[bool]):
+        """Dense (or plain-with-top-k) extend of the requests `reqs` marks: each request's queries
+        over its own cached keys. A dense request (md.dense) ignores top-k: it selects every key."""
         absorbed = self.mla_path == "absorbed"
-        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], layer.v_head_dim)
         for i in range(forward_batch.batch_size):
             s, e = md.starts[i], md.extend_lens[i]
-            if e == 0:
+            if e == 0 or not reqs[i]:
                 continue
             latent, k_rope = pool.get_mla_kv(layer.layer_id, md.kv_indices(i))  # [L, c], [L, r]
             kv = None if absorbed else self._expand_kv(layer, latent, q_nope.dtype)
             step = query_chunk(layer.num_local_heads * md.seq_lens[i], q_nope.device)
             for c in range(0, e, step):
                 rows = slice(s + c, s + min(c + step, e))
-                topk = topk_indices[rows] if topk_indices is not None else None
+                topk = topk_indices[rows] if topk_indices is not None and not md.dense[i] else None
                 mask = self._extend_mask(md, i, forward_batch.positions[rows], topk)
                 if absorbed:
                     out[rows] = self._attend_absorbed(layer, q_nope[rows], q_rope[rows], latent[None], k_rope[None],

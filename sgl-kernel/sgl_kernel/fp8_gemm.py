@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel.fp8_quant import FP8_SCALE_EPS, block_dequant, dequant_groups, per_token_group_quant_fp8_ref
-from sgl_kernel.utils import dot_precision, patch_interpreter
+from sgl_kernel.utils import dot_precision, fit_stages, patch_interpreter
 
 patch_interpreter()
 
@@ -170,7 +170,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         part.stride(0) if split > 1 else 0, part.stride(1) if split > 1 else 0,
         BN=bn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, SPLIT_K=split,
         QUANT_A=fp8_activations, HAS_BIAS=bias is not None, EPS=FP8_SCALE_EPS, PRECISION=dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps,
+        num_stages=fit_stages(cfg.num_stages, (cfg.block_m * x.element_size() + cfg.block_n) * bk))
     if split > 1:  # fixed-order reduction of the partials (no atomics)
         out = part.sum(0)
         if bias is not None:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from sgl_kernel.fp8_quant import FP8_SCALE_EPS
 from sgl_kernel.moe import MoEConfig, _alloc, _combine_kernel, _tile_ids, get_moe_config, moe_align_block_size
-from sgl_kernel.utils import dot_precision, next_pow2, patch_interpreter
+from sgl_kernel.utils import dot_precision, fit_stages, next_pow2, patch_interpreter
 
 patch_interpreter()
 
@@ -175,18 +175,20 @@ def fused_experts_fp8(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.
     num_pid_m = expert_ids.shape[0]
     launch = dict(BN=bn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
                   QUANT_A=fp8_activations, EPS=FP8_SCALE_EPS, PRECISION=dot_precision(hidden.dtype),
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  num_warps=cfg.num_warps)
+    # gate-up holds an activation tile and two 1-byte weight tiles per stage (down: one)
+    stages = fit_stages(cfg.num_stages, (cfg.block_m * hidden.element_size() + 2 * cfg.block_n) * bk)
 
     h_inter = _alloc((n, inter), hidden.dtype, dev)
     _gate_up_fp8_kernel[(num_pid_m * triton.cdiv(inter, cfg.block_n),)](
         hidden, w13, w13_scale, h_inter, sorted_ids, expert_ids, npp, n, top_k, hid, inter, num_pid_m,
         hidden.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1), h_inter.stride(0),
-        **launch)
+        num_stages=stages, **launch)
     out_k = _alloc((n, hid), hidden.dtype, dev)
     _down_fp8_kernel[(num_pid_m * triton.cdiv(hid, cfg.block_n),)](
         h_inter, w2, w2_scale, out_k, weights, sorted_ids, expert_ids, npp, n, inter, hid, num_pid_m,
         h_inter.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), out_k.stride(0),
-        **launch)
+        num_stages=stages, **launch)
     out = _alloc((num_tokens, hid), hidden.dtype, dev)
     block_h = min(next_pow2(hid), 512)
     block_t = max(1, 4096 // block_h)

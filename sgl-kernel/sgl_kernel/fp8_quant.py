@@ -75,7 +75,10 @@ def per_token_group_quant_fp8_ref(x: torch.Tensor, group_size: int) -> tuple[tor
     m, k = x.shape
     ng = -(-k // group_size)
     xp = F.pad(x.float(), (0, ng * group_size - k)).view(m, ng, group_size)  # zeros never raise an amax
-    s = xp.abs().amax(dim=-1).clamp(min=FP8_SCALE_EPS) / FP8_E4M3_MAX
+    amax = xp.abs().amax(dim=-1).clamp(min=FP8_SCALE_EPS)
+    # a tensor divisor: CUDA torch divides by a Python scalar as a multiply by its reciprocal, which
+    # rounds differently from the kernel's correctly rounded division (1-ulp scale differences)
+    s = amax / torch.full_like(amax, FP8_E4M3_MAX)
     q = (xp / s[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).view(m, ng * group_size)[:, :k]
     return q.contiguous().to(FP8), s
 

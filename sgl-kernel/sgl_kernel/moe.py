@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel.utils import dot_precision, next_pow2, patch_interpreter
+from sgl_kernel.utils import SMEM_BUDGET, dot_precision, next_pow2, patch_interpreter
 
 patch_interpreter()
 
@@ -54,7 +54,7 @@ class MoEConfig:
 
 # One BLOCK_K for every config: the K-order of each row's dot product then does not change with T.
 _BLOCK_K = 64
-_SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program, under the H200's 227 KB per block
+_SMEM_BUDGET = SMEM_BUDGET  # bytes of pipelined tiles per program (sgl_kernel.utils)
 
 
 def get_moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,

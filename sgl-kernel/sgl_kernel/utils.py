@@ -86,3 +86,16 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+# Bytes of pipelined tiles per program: under the H100's / H200's 227 KB of shared memory per block,
+# with room for the epilogue's layout conversions.
+SMEM_BUDGET = 160 * 1024
+
+
+def fit_stages(num_stages: int, stage_bytes: int) -> int:
+    """The software-pipelining depth to launch with: the config's, cut to what SMEM_BUDGET holds
+    (at least 2). Stages do not change a row's arithmetic, so this keeps batch invariance; a config
+    tuned for bf16 activations would otherwise ask fp32 ones for more shared memory than the GPU has."""
+    return max(2, min(num_stages, SMEM_BUDGET // max(stage_bytes, 1)))
+

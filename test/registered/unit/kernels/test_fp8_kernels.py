@@ -25,6 +25,10 @@ from sglang.srt.model_loader.weight_utils import quantize_fp8_block
 DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
 BLOCK = (128, 128)
 FP32_REL = 1e-5
+# Hopper's FP8 tensor-core MMA accumulates with ~14 bits of mantissa before the fp32 add (DeepSeek-V3
+# report, section 3.3.2): e4m3 x e4m3 dots differ from the fp32 twin by ~2^-14 per K block
+# (8.6e-5 measured on the H100); the interpreter and W8A16 dots keep FP32_REL.
+FP8_DOT_REL = 2**-12 if DEVICE == "cuda" else FP32_REL
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,7 +66,7 @@ def test_block_gemm_matches_twin(m, n, k):
         ref = fp8_block_linear_ref(x, q, s, BLOCK, bias, fp8_act)
         for cfg in configs:
             out = fp8_block_linear(x, q, s, BLOCK, bias, fp8_act, config=cfg)
-            assert _rel(out, ref) < FP32_REL, (fp8_act, cfg)
+            assert _rel(out, ref) < (FP8_DOT_REL if fp8_act else FP32_REL), (fp8_act, cfg)
     xb = x.bfloat16()
     assert _rel(fp8_block_linear(xb, q, s, BLOCK, None, False), fp8_block_linear_ref(xb, q, s, BLOCK, None, False)) < 2**-8
     assert fp8_block_linear(x[:0], q, s, BLOCK).shape == (0, n)
@@ -108,7 +112,7 @@ def test_fused_moe_fp8_matches_twin(monkeypatch, expert_offset):
     for fp8_act in (True, False):
         ref = fused_experts_fp8_native(x, w13, s13, w2, s2, tw, ids, expert_offset, BLOCK, fp8_act)
         out = fused_experts_fp8(x, w13, s13, w2, s2, tw, ids, expert_offset, BLOCK, fp8_act)
-        assert not out.isnan().any() and _rel(out, ref) < FP32_REL, fp8_act
+        assert not out.isnan().any() and _rel(out, ref) < (FP8_DOT_REL if fp8_act else FP32_REL), fp8_act
     cfg = fixed_fp8_moe_config(BLOCK)
     full = fused_experts_fp8(x, w13, s13, w2, s2, tw, ids, expert_offset, BLOCK, config=cfg)
     assert torch.equal(fused_experts_fp8(x[:3], w13, s13, w2, s2, tw[:3], ids[:3], expert_offset, BLOCK, config=cfg),

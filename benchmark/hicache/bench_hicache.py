@@ -176,12 +176,21 @@ def bench_copy(args, hi) -> dict:
             for name, (hp, sp, dp) in maps.items():
                 h, s, d = _slots(hp, page), _slots(sp, page), _slots(dp, page)
 
+                phases: dict[str, list] = {}
+
                 def run(submit) -> float:
                     _sync()
                     t0 = time.perf_counter()
                     op = submit()
                     ctl.wait_done(op, timeout=600)
-                    t = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    t = t1 - t0
+                    tl = {**op.timeline, "woken": t1}
+                    for name, a, b in (("plan", "submit", "planned"), ("handoff", "planned", "start"),
+                                       ("enqueue", "start", "queued"), ("copy_wait", "queued", "synced"),
+                                       ("wake", "finish", "woken")):
+                        if a in tl and b in tl:
+                            phases.setdefault(f"{op.kind}_{name}_us", []).append((tl[b] - tl[a]) * 1e6)
                     ctl.poll()
                     if op.error is not None:
                         raise RuntimeError(f"{backend}/{layout}/{name}: {op.error}") from op.error
@@ -233,7 +242,9 @@ def bench_copy(args, hi) -> dict:
                              "load_GBps": nbytes / statistics.median(load) / 1e9,
                              # where an op's time goes: the copies alone (no thread, no plan) and the plan
                              "bare_backup_GBps": nbytes / bare_backup / 1e9, "bare_load_GBps": nbytes / bare_load / 1e9,
-                             "plan_us": plan_s * 1e6})
+                             "plan_us": plan_s * 1e6,
+                             # medians of the op phases (controller timeline), warm-up included
+                             **{k: statistics.median(v) for k, v in phases.items()}})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                 if not exact:
                     raise RuntimeError(f"{backend}/{layout}/{name}: the round trip changed the pages")

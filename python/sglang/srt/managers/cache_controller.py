@@ -156,11 +156,13 @@ class HiCacheController:
     def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor, page_keys: list | None = None,
              on_done: Callable[[TransferOp], None] | None = None) -> TransferOp:
         """Queue a layer-wise host -> device load; getters of the pools wait per layer until it lands."""
+        t0 = time.perf_counter()
         self._unacked += 1
         op = TransferOp("load", host_indices, device_indices, page_keys, on_done=on_done)
         op.progress = [0] * len(self.pairs)
         op.events = [[None] * dev.layer_num for dev, _ in self.pairs]
         runs = self.plan(host_indices, device_indices)
+        op.timeline.update(submit=t0, planned=time.perf_counter())
         ready = self._compute_event()
         with self._cv:
             self._loads.append(op)
@@ -174,18 +176,23 @@ class HiCacheController:
     def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor, page_keys: list | None = None,
                on_done: Callable[[TransferOp], None] | None = None) -> TransferOp:
         """Queue a device -> host backup of every layer of every pair (the device KV is complete)."""
+        t0 = time.perf_counter()
         self._unacked += 1
         op = TransferOp("backup", host_indices, device_indices, page_keys, on_done=on_done)
         op.progress = [0] * len(self.pairs)
         runs = self.plan(host_indices, device_indices)
+        op.timeline.update(submit=t0, planned=time.perf_counter())
         ready = self._compute_event()
 
         def run() -> None:
+            op.timeline["start"] = time.perf_counter()
             try:
                 for i, (dev, host) in enumerate(self.pairs):
                     for layer in range(dev.layer_num):
                         self._copy_to_host(i, layer, runs, op.page_keys)
+                op.timeline["queued"] = time.perf_counter()
                 self._sync(self._write_stream)
+                op.timeline["synced"] = time.perf_counter()
             except BaseException as e:  # reported to the scheduler thread via poll()
                 op.error = e
             self._finish(op)
@@ -295,6 +302,7 @@ class HiCacheController:
 
     def _run_load(self, op: TransferOp, runs: PageRuns, ready) -> None:
         def run() -> None:
+            op.timeline["start"] = time.perf_counter()
             try:
                 depth = max(dev.layer_num for dev, _ in self.pairs)
                 for layer in range(depth):
@@ -310,7 +318,9 @@ class HiCacheController:
                         with self._cv:
                             op.progress[i] = layer + 1
                             self._cv.notify_all()
+                op.timeline["queued"] = time.perf_counter()
                 self._sync(self._load_stream)
+                op.timeline["synced"] = time.perf_counter()
             except BaseException as e:
                 op.error = e
             self._finish(op)
@@ -327,6 +337,7 @@ class HiCacheController:
             time.sleep(d)
 
     def _finish(self, op: TransferOp) -> None:
+        op.timeline["finish"] = time.perf_counter()
         with self._cv:
             op.done = True
             if op.kind == "load" and op.error is not None:

@@ -29,6 +29,9 @@ class TransferOp:
     error: BaseException | None = None
     on_done: Callable[["TransferOp"], None] | None = None
     nodes: list = field(default_factory=list)  # radix nodes the op pins (owned by the cache)
+    # perf_counter stamps of the op's phases (submitted, planned, started on the copy thread,
+    # synced, finished): where an op's time goes beyond the copies (bench_hicache.py reads them)
+    timeline: dict[str, float] = field(default_factory=dict)
 
 
 OnDone = Callable[[TransferOp], None]
@@ -50,7 +53,8 @@ class HostTransfers(Protocol):
                on_done: OnDone | None = None) -> TransferOp: ...
 
     def backup_layer(self, pair: int, layer_id: int, device_indices: torch.Tensor, host_indices: torch.Tensor,
-                     page_keys: list | None, done: Callable[[BaseException | None], None]) -> None: ...
+                     page_keys: list | None, done: Callable[[BaseException | None], None],
+                     runs: Any = None) -> None: ...
 
     def store(self, host_indices: torch.Tensor, page_keys: list[str], on_done: OnDone | None = None) -> TransferOp: ...
 

@@ -16,6 +16,7 @@
 #   spec-tests: speculative (EAGLE/NextN), overlap-scheduler, HiCache and PD suites on the GPU (graphs on)
 #   bench-overlap: scheduler step wall time vs GPU busy time, overlap vs sync vs deterministic
 #   memplan: the memory plan's tests + 2/3-layer V3.2 shapes that must start and prefill on this card;
+#   bench-dense: single-prompt prefill at 1K / 2K / 4K, dense MHA for short prompts vs the sparse path
 #   memplan-bench: the same through the HTTP server (2 x 256), bench_e2e_vs_hf.py --layers 2 (32K prefill, --experts)
 # Everything runs on builtin tiny models or random weights of the real shapes: no download, no checkpoint.
 set -uo pipefail
@@ -91,6 +92,10 @@ for step in $steps; do
       timeout ${BENCH_TIMEOUT:-340} python3 benchmark/e2e/bench_e2e_vs_hf.py --layers 2 --out-dir "$OUT" \
         ${MEMPLAN_E2E_ARGS:---experts 16 --hf-experts-implementation grouped_mm --sides ours,hf --batch-sizes 1,16 --prefill-lens 4096,32768} \
         2>&1 | grep -v "^  " | tail -12 | tee "$OUT/memplan-e2e.txt" ;;
+    bench-dense)  # issue 31 item 4: single-prompt prefill, dense MHA for short prompts vs the sparse path
+      timeout ${BENCH_TIMEOUT:-300} python3 benchmark/e2e/bench_e2e_vs_hf.py --layers ${DENSE_LAYERS:-2} --out-dir "$OUT" \
+        --experts 16 --sides ours,ours_sparse --batch-sizes 1 --gen-lens 8 --prefill-lens 1024,2048,4096 \
+        2>&1 | grep -v "^  " | tail -12 | tee "$OUT/bench-dense.txt" ;;
     parity)  # our model on cuda vs transformers on cpu (fp32)
       SGLANG_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider \
         test/srt/test_model_parity.py test/srt/test_indexcache.py test/srt/test_nextn.py \

@@ -287,7 +287,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--sides", default="ours,ours_sync,hf,hf_eager",
-                   help="of ours, ours_sync, ours_fp8kv, ours_fp8w, hf (default attention), hf_eager")
+                   help="of ours, ours_sync, ours_fp8kv, ours_fp8w, ours_sparse (short prefills through the "
+                        "sparse path: SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0), hf (default attention), "
+                        "hf_eager")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not speed)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--side", help=argparse.SUPPRESS)
@@ -306,6 +308,10 @@ def main() -> None:
         if args.side in ("hf", "hf_eager"):
             res = run_hf(args, args.path, "eager" if args.side == "hf_eager" else None)
         else:
+            if args.side == "ours_sparse":  # read when the attention backend is built
+                from sglang.srt.layers.attention.nsa.utils import DENSE_PREFILL_ENV
+
+                os.environ[DENSE_PREFILL_ENV[0]] = "0"
             res = run_ours(args, args.path, args.side != "ours_sync",
                            "fp8_e4m3" if args.side == "ours_fp8kv" else "auto",
                            "fp8" if args.side == "ours_fp8w" else None)
@@ -358,6 +364,11 @@ def main() -> None:
             ratios[f"fp8w_generate_bs{bs}"] = row["tok_s"] / result["ours"]["generate"][bs]["tok_s"]
         for n, row in result["ours_fp8w"]["prefill"].items():
             ratios[f"fp8w_prefill_{n}"] = row["tok_s"] / result["ours"]["prefill"][n]["tok_s"]
+    if "ours_sparse" in result and "ours" in result:  # dense MHA for short prefills vs the sparse path
+        for n, row in result["ours"]["prefill"].items():
+            other = result["ours_sparse"]["prefill"].get(n)
+            if row and other:
+                ratios[f"dense_prefill_{n}"] = row["tok_s"] / other["tok_s"]
     if "ours_sync" in result and "ours" in result:
         for bs, row in result["ours"]["generate"].items():
             sync = result["ours_sync"]["generate"][bs]

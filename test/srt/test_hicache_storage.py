@@ -294,6 +294,10 @@ def test_server_args_flags():
     with pytest.raises(ServerArgsError, match="hicache-storage-backend-extra-config"):
         ServerArgs.from_kwargs(model_path="builtin:x", enable_hierarchical_cache=True, hicache_storage_backend="file",
                                hicache_storage_backend_extra_config='{"bogus": 1}').validate()
+    # under CP a rank's host tier holds only the pages it owns: refused at start-up, not dropped at run time
+    with pytest.raises(ServerArgsError, match="hicache-storage-backend.*not supported with context parallel"):
+        ServerArgs.from_kwargs(model_path="builtin:x", enable_hierarchical_cache=True, hicache_storage_backend="file",
+                               tp_size=2, attn_cp_size=2, enable_nsa_prefill_context_parallel=True).validate()
 
 
 # -- Mooncake Store ------------------------------------------------------------------------------

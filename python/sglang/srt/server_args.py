@@ -467,6 +467,8 @@ def _check_parallel(args: ServerArgs) -> None:
                                   f"(attention runs CP over all ranks), got {args.attn_cp_size}")
         if args.enable_two_batch_overlap:
             raise ServerArgsError("enable_two_batch_overlap", "is not supported with context parallel")
+        if args.hicache_storage_backend is not None and tp > 1:  # each rank's host tier holds its own pages
+            raise ServerArgsError("hicache_storage_backend", "is not supported with context parallel yet")
     elif args.attn_cp_size != 1:
         raise ServerArgsError("attn_cp_size", "needs --enable-nsa-prefill-context-parallel")
     if args.ep_size not in (1, tp):

@@ -219,10 +219,11 @@ def bench_copy(args, hi) -> dict:
                     """The copies alone: queued on this thread's stream, planned beforehand, no copy thread."""
                     runs = ctl.plan(h, s) if to_host else ctl.plan(h, d)
                     copy = ctl._copy_to_host if to_host else ctl._copy_to_device
-                    return min(_timed(lambda: [copy(0, lid, runs, None) for lid in range(pool.layer_num)])
-                               for _ in range(args.repeats + 1))
+                    # first repeat is the warm-up; median of the rest, as the op timings
+                    return statistics.median([_timed(lambda: [copy(0, lid, runs, None) for lid in range(pool.layer_num)])
+                                              for _ in range(args.repeats + 1)][1:])
 
-                plan_s = min(_timed(lambda: ctl.plan(h, s)) for _ in range(args.repeats + 1))
+                plan_s = statistics.median([_timed(lambda: ctl.plan(h, s)) for _ in range(args.repeats + 1)][1:])
                 bare_backup = bare(True)
                 backup = [run(lambda: ctl.backup(s, h)) for _ in range(args.repeats + 1)][1:]
                 layers = [layerwise() for _ in range(args.repeats + 1)][1:]

@@ -315,11 +315,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
             if adder.budget_full() or len(admitted) >= self.req_to_token_pool.available_size():
                 break
             fill = req.fill_ids()
-            match = self.tree_cache.match_prefix(fill[: req.max_prefix_len()])
-            if self.tree_cache.has_storage:  # HiCache L3: pages past a device + host miss, read to host
-                match = self.tree_cache.prefetch_from_storage(fill[: req.max_prefix_len()], match)
-            if match.host_hit_length:  # HiCache: load the host part back (counts as cached tokens)
-                match = self.tree_cache.init_load_back(match)
+            match = self.tree_cache.match_for_admission(fill[: req.max_prefix_len()])
             self.tree_cache.inc_lock_ref(match.last_node)
             reserve = int(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0) * self.new_token_ratio)
             if not adder.add(req, len(fill) - len(match.device_indices), reserve):

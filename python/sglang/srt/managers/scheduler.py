@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 # A step that made no progress while requests wait (none fits): the loop waits this long on its
 # sockets (a message ends the wait) instead of stepping again at once. Short: nothing else wakes it.
 STALL_POLL_MS = 2
+IDLE_POLL_MS = 1000  # idle: only a message wakes it
+EVENT_POLL_MS = 2  # idle, but HiCache copies are still to be acknowledged (poll_idle)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
@@ -199,6 +201,18 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         """How long the loop may wait after a step that made no progress while work remains
         (`last_step_progressed`): a scheduler whose wake sources cover what it waits for sleeps longer."""
         return STALL_POLL_MS
+
+    def poll_timeout_ms(self, busy: bool) -> int:
+        """How long the event loop may sleep on its sockets: stalled (busy) its stall timeout, idle
+        long, and briefly while HiCache copies are still to be acknowledged (`poll_idle`)."""
+        timeout = self.stall_timeout_ms() if busy else IDLE_POLL_MS
+        return min(timeout, EVENT_POLL_MS) if self.tree_cache.has_pending_events() else timeout
+
+    def poll_idle(self) -> None:
+        """An iteration with nothing to step: a HiCache backup that ended after the last step commits
+        now, not at the next request."""
+        if self.tree_cache.has_pending_events():
+            self.tree_cache.check_events()
 
     # -- one step -------------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:

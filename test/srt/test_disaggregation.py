@@ -464,7 +464,7 @@ def _abort_chunked_prefill(overlap: bool, by: str, at: str):
     for _ in range((2 if at == "mid" else 4) - (0 if overlap else at == "last")):
         p.step()
     assert room in p.pd_regs
-    req = p.in_flight[0].reqs[0] if overlap else p.chunked_req
+    req = p.overlap.reqs[0] if overlap else p.chunked_req
     assert req.rid == "c0" and req.is_chunked == (at == "mid" or not overlap)
     assert p.tree_cache.protected_size() > 0  # its chunks so far are locked in the radix cache
     if by == "client":
@@ -776,7 +776,8 @@ def test_decode_admission_reserves_growth_of_requests_in_transfer():
     d.step()  # preallocates what fits; nothing has arrived from the prefill side
     admitted = [st.req for st in d.pd_transfers.values()]
     assert 0 < len(admitted) < 12
-    need = sum(len(r.origin_input_ids) + int(r.sampling_params.max_new_tokens * d.new_token_ratio) for r in admitted)
+    ratio = d.decode_manager.new_token_ratio
+    need = sum(len(r.origin_input_ids) + int(r.sampling_params.max_new_tokens * ratio) for r in admitted)
     assert need <= free0, (len(admitted), need, free0)
 
 

@@ -22,6 +22,7 @@ import concurrent.futures
 import itertools
 import random
 import signal
+import time
 
 import openai
 import pytest
@@ -598,8 +599,9 @@ def test_abort_during_a_write_frees_pages_only_after_it(held_writes):
     assert started.wait(60)
     outs = d.abort_request("y0")
     assert outs[0].finished_reason["type"] == "abort"
-    for _ in range(20):  # the AbortRoom arrives; the write still runs
-        p.step()
+    deadline = time.monotonic() + 60
+    while p.pd_inflight[room].abort is None and time.monotonic() < deadline:  # the AbortRoom arrives
+        p.step()  # the write still runs
         d.step()
     f = p.pd_inflight[room]
     assert f.abort is not None and f.req.req_pool_idx is not None

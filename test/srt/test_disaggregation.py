@@ -22,6 +22,7 @@ import concurrent.futures
 import itertools
 import random
 import signal
+import time
 
 import openai
 import pytest
@@ -464,7 +465,7 @@ def _abort_chunked_prefill(overlap: bool, by: str, at: str):
     for _ in range((2 if at == "mid" else 4) - (0 if overlap else at == "last")):
         p.step()
     assert room in p.pd_regs
-    req = p.in_flight[0].reqs[0] if overlap else p.chunked_req
+    req = p.overlap.reqs[0] if overlap else p.chunked_req
     assert req.rid == "c0" and req.is_chunked == (at == "mid" or not overlap)
     assert p.tree_cache.protected_size() > 0  # its chunks so far are locked in the radix cache
     if by == "client":
@@ -598,8 +599,9 @@ def test_abort_during_a_write_frees_pages_only_after_it(held_writes):
     assert started.wait(60)
     outs = d.abort_request("y0")
     assert outs[0].finished_reason["type"] == "abort"
-    for _ in range(20):  # the AbortRoom arrives; the write still runs
-        p.step()
+    deadline = time.monotonic() + 60
+    while p.pd_inflight[room].abort is None and time.monotonic() < deadline:  # the AbortRoom arrives
+        p.step()  # the write still runs
         d.step()
     f = p.pd_inflight[room]
     assert f.abort is not None and f.req.req_pool_idx is not None
@@ -776,7 +778,8 @@ def test_decode_admission_reserves_growth_of_requests_in_transfer():
     d.step()  # preallocates what fits; nothing has arrived from the prefill side
     admitted = [st.req for st in d.pd_transfers.values()]
     assert 0 < len(admitted) < 12
-    need = sum(len(r.origin_input_ids) + int(r.sampling_params.max_new_tokens * d.new_token_ratio) for r in admitted)
+    ratio = d.decode_manager.new_token_ratio
+    need = sum(len(r.origin_input_ids) + int(r.sampling_params.max_new_tokens * ratio) for r in admitted)
     assert need <= free0, (len(admitted), need, free0)
 
 

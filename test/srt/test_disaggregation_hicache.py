@@ -91,7 +91,7 @@ def test_decode_hicache_caches_pd_requests_and_recompute_hits(policy, monkeypatc
     got, _, _ = _run_pd(p, d, port, prompts, 40)
     _settle(p, d)
     tc = d.tree_cache
-    assert d.num_retracted_reqs > 0 and recomputes and any(n > 0 for n in recomputes), recomputes
+    assert d.decode_manager.num_retracted_reqs > 0 and recomputes and any(n > 0 for n in recomputes), recomputes
     if policy == "write_back":  # eviction backs up first, so every recompute finds its prefix
         assert all(n > 0 for n in recomputes), recomputes
     # write_through: a node evicted before its asynchronous backup was acked is dropped, so a

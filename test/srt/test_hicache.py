@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sglang.srt.entrypoints.engine import Engine
+from sglang.srt.mem_cache.hicache_transfer import NullBackup
 from sglang.srt.server_args import ServerArgs, ServerArgsError
 
 MODEL = "builtin:tiny-deepseek-v32"
@@ -71,8 +72,7 @@ def _assert_clean(engine: Engine) -> None:
     tc.check_invariants()
     assert engine.scheduler.kv_leak_report() is None
     assert tc.pinned_backup_tokens == 0 and tc.evictable_size() == tc.total_size()
-    if tc.backup is not None:
-        assert tc.backup.reserved_size() == 0
+    assert tc.backup.reserved_size() == 0
 
 
 def _fresh(prompt: list[int], **kw) -> tuple[list[int], dict[int, torch.Tensor]]:
@@ -128,7 +128,7 @@ def test_reload_equals_fresh_prefill(policy):
     if policy == "write_through":  # backed up during the prefill forwards, at layer ends
         assert backup.stats["committed"] >= 4 and backup.stats["rolled_back"] == 0
     else:
-        assert backup is None
+        assert isinstance(backup, NullBackup)
 
 
 def test_repeated_prompt_reserves_no_duplicate_backup():

@@ -13,6 +13,7 @@ import torch
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.managers.hicache_backup import AsyncBackup, BackupReservation, BackupState
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.hicache_transfer import NullBackup
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.memory_pool_host import HostKVPool, HostPageAllocator
@@ -257,7 +258,7 @@ def test_write_back_eviction_during_load_back_spares_the_host_pages_it_reads():
     """A load-back that must evict under write_back backs the victim up first; that backup's host
     allocation may evict host-only leaves, but never the pages the load-back is about to read."""
     h = Harness()
-    h.cache.write_policy, h.cache.write_threshold, h.cache.backup = "write_back", None, None
+    h.cache.write_policy, h.cache.write_threshold, h.cache.backup = "write_back", None, NullBackup()
     h.cache.host_allocator = HostPageAllocator(32, P)  # room for exactly two 16-token prompts
     a, b = _tokens(16, 100), _tokens(16, 300)
     for toks in (a, b):
@@ -280,7 +281,7 @@ def test_write_back_eviction_during_load_back_spares_the_host_pages_it_reads():
 
 def test_host_eviction_is_lru_over_host_only_leaves():
     h = Harness()
-    h.cache.backup = None  # back up at insert (write_through), so each prompt is one backup op
+    h.cache.backup = NullBackup()  # back up at insert (write_through), so each prompt is one backup op
     h.cache.host_allocator = HostPageAllocator(32, P)
     a, b, c = _tokens(16, 100), _tokens(16, 300), _tokens(16, 500)
     for toks in (a, b):

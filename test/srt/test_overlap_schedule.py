@@ -15,6 +15,7 @@ import random
 import pytest
 
 from sglang.srt.entrypoints.engine import Engine
+from sglang.srt.managers import scheduler as scheduler_module
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.overlap_utils import ThreadLauncher
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -158,7 +159,7 @@ def test_abort_in_flight_emits_nothing_more_and_frees_kv():
     _submit(sched, "pre", _prompts(2)[1], 30)
     _submit(sched, "dec", _prompts(2)[0], 30)
     outs = sched.step()  # launches the prefill of both
-    assert sched.in_flight is not None and not sched.running
+    assert sched.overlap.launched is not None and not sched.running
     sched.abort_request("pre")  # in no queue: only in the step in flight
     seen: dict[str, list] = {}
     steps = 0
@@ -166,7 +167,7 @@ def test_abort_in_flight_emits_nothing_more_and_frees_kv():
         for o in outs:
             seen.setdefault(o.rid, []).append(o)
         if steps == 4:
-            assert any(r.rid == "dec" for r in sched.in_flight[0].reqs)
+            assert any(r.rid == "dec" for r in sched.overlap.reqs)
             sched.abort_request("dec")
         outs = sched.step()
         steps += 1
@@ -189,7 +190,7 @@ def test_abort_mid_chunked_prefill_stops_it(overlap):
     _submit(sched, "long", [(7 * j) % 900 + 5 for j in range(400)], 8)  # 7 chunks
     sched.step()
     sched.step()
-    assert sched.in_flight[0].reqs[0].is_chunked if overlap else sched.chunked_req is not None
+    assert sched.overlap.reqs[0].is_chunked if overlap else sched.chunked_req is not None
     assert sched.get_stats().num_running_reqs == 1  # counted while its chunk is in flight (in no list)
     assert sched.tree_cache.protected_size() > 0  # its first chunk(s), locked in the radix cache
     assert sched.abort_request("long") == []
@@ -206,7 +207,6 @@ def test_prefix_cache_lifecycle_hooks():
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
     for overlap in (True, False):
-        sched = _engine(overlap).scheduler
         log, keep = [], []
 
         class Recording(RadixCache):
@@ -221,7 +221,10 @@ def test_prefix_cache_lifecycle_hooks():
                 assert all(r.inflight >= 0 for r in batch.reqs)
                 log.append(("done", id(batch)))
 
-        sched.tree_cache = Recording(sched.req_to_token_pool, sched.allocator, sched.page_size)
+        with pytest.MonkeyPatch.context() as mp:  # the scheduler's managers share the cache it builds
+            mp.setattr(scheduler_module, "create_tree_cache",
+                       lambda sa, w, ps: Recording(w.req_to_token_pool, w.token_to_kv_pool_allocator, ps))
+            sched = _engine(overlap).scheduler
         launch = sched.tp_worker.forward_batch_generation
         sched.tp_worker.forward_batch_generation = lambda b: (log.append(("launch", id(b))), launch(b))[1]
         _submit(sched, "a", _prompts(2)[0], 5)

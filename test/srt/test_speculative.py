@@ -175,12 +175,12 @@ def test_overlap_launches_the_next_verify_before_the_previous_is_processed(engin
     sync = _engine(True, disable_overlap_schedule=True, **engine_kw)
     spec = _engine(True, **engine_kw)
     sched = spec.scheduler
-    assert sched._overlap_active() and not sync.scheduler._overlap_active()
+    assert sched.overlap.active(sched.tp_worker) and not sync.scheduler.overlap.active(sync.scheduler.tp_worker)
     overlapped = []
     launch = sched.tp_worker.forward_batch_generation
 
     def spy(batch):
-        prev = sched.in_flight[0] if sched.in_flight is not None else None
+        prev = sched.overlap.launched.batch if sched.overlap.launched is not None else None
         if batch.forward_mode.is_decode():
             overlapped.append(prev is not None and prev.forward_mode.is_decode())
         return launch(batch)

@@ -67,7 +67,7 @@ def _decode_batch(engine: Engine, prompts: list[list[int]]) -> ForwardBatch:
     sched = engine.scheduler
     for p in prompts:
         engine._submit(None, p, {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}, False, -1, 0)
-    while sched.waiting_queue or sched.chunked_req or sched.in_flight:
+    while sched.waiting_queue or sched.chunked_req or sched.overlap.launched:
         sched.step()
     batch = sched.get_next_batch_to_run()
     assert batch.forward_mode == ForwardMode.DECODE and len(batch.reqs) == len(prompts)

@@ -95,14 +95,15 @@ def test_retraction_with_n_tokens_per_request():
     fake = _engine(4, 128)  # two requests fit at admission, not once they have grown
     fake.scheduler.tp_worker = RandomAcceptWorker(fake.scheduler.tp_worker, 4, seed=7)
     retracted = []
-    orig = fake.scheduler._ensure_decode_memory
+    decode = fake.scheduler.decode_manager
+    orig = decode.retract_decode
 
-    def spy(n):
+    def spy(running, waiting_queue, n):
         before = len(fake.scheduler.waiting_queue)
-        orig(n)
+        orig(running, waiting_queue, n)
         retracted.append(len(fake.scheduler.waiting_queue) - before)
 
-    fake.scheduler._ensure_decode_memory = spy
+    decode.retract_decode = spy
     _assert_same(_run(fake, prompts, params), ref)
     assert max(retracted) > 0
     _assert_kv_whole(fake)

@@ -339,3 +339,76 @@ def test_probe_and_patch_scans_catch_them():
     assert worker_probes("x = getattr(self.tp_worker, 'needs_host_state', None)\n")
     assert worker_probes("if hasattr(worker, 'next_draft'):\n    pass\n")
     assert not worker_probes("x = getattr(tokenizer, 'eos_token_id', None)\n")
+
+
+# -- the scheduler reads in one screen (issue 32) --------------------------------------------------
+SCHEDULER = SRT / "managers" / "scheduler.py"
+SCHEDULER_MAX_LINES = 350  # admission, decode / retraction, KV slots, overlap: in their own managers
+
+
+def test_scheduler_stays_small():
+    n = len(SCHEDULER.read_text().splitlines())
+    assert n <= SCHEDULER_MAX_LINES, (
+        f"managers/scheduler.py has {n} lines (> {SCHEDULER_MAX_LINES}): move the new rule into its manager "
+        "(prefill_manager, decode_manager, cache_manager, overlap_utils.OverlapState) or a hook")
+
+
+# Names whose use in scheduler.py is a mode's state tested inline: overlap lives in OverlapState,
+# HiCache admission behind `tree_cache.match_for_admission`, the idle polls behind `poll_idle`.
+MODE_NAMES = {"enable_overlap", "supports_overlap", "in_flight", "has_storage", "prefetch_from_storage",
+              "init_load_back", "host_hit_length"}
+
+
+def names_used(source: str, names: set[str] = MODE_NAMES) -> list[str]:
+    hits = set()
+    for node in ast.walk(ast.parse(source)):
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if name in names:
+            hits.add(f"line {node.lineno}: {name}")
+    return sorted(hits)
+
+
+def none_tests_of(attr: str, source: str) -> list[str]:
+    """`<x>.<attr> is None` / `is not None`: a null object would answer instead."""
+    return [f"line {n.lineno}: {ast.unparse(n)}" for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Compare) and isinstance(n.left, ast.Attribute) and n.left.attr == attr
+            and any(isinstance(op, (ast.Is, ast.IsNot)) for op in n.ops)]
+
+
+def test_scheduler_tests_no_mode_state_inline():
+    assert not (bad := names_used(SCHEDULER.read_text())), f"scheduler.py tests a mode's state inline: {bad}"
+
+
+def test_idle_loop_polls_through_the_scheduler():
+    src = (SRT / "managers" / "scheduler_process.py").read_text()
+    bad = names_used(src, {"tree_cache", "has_pending_events", "check_events"})
+    assert not bad, f"the event loop reaches into the prefix cache (Scheduler.poll_idle / poll_timeout_ms): {bad}"
+
+
+def test_hicache_backup_is_a_null_object():
+    src = (SRT / "mem_cache" / "hiradix_cache.py").read_text()
+    assert not (bad := none_tests_of("backup", src)), f"HiRadixCache tests its backup for None (NullBackup): {bad}"
+
+
+def test_mode_scans_catch_them():
+    assert names_used("if self.enable_overlap and self.tp_worker.supports_overlap:\n    pass\n")
+    assert names_used("m = self.tree_cache.init_load_back(m) if m.host_hit_length else m\n")
+    assert not names_used("m = self.tree_cache.match_for_admission(key)\n")
+    assert none_tests_of("backup", "if self.backup is not None:\n    self.backup.reset()\n")
+    assert not none_tests_of("backup", "self.backup.reset()\nif self.root is None:\n    pass\n")
+
+
+def _class_methods(path: Path, name: str) -> set[str]:
+    cls = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == name)
+    return {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_null_backup_answers_every_hook_the_cache_calls():
+    """HiRadixCache calls `self.backup.<hook>` unconditionally: NullBackup and AsyncBackup both define each."""
+    used = {n.attr for n in ast.walk(ast.parse((SRT / "mem_cache" / "hiradix_cache.py").read_text()))
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "backup"}
+    assert {"on_insert", "check_events", "reserved_size"} <= used
+    null = _class_methods(SRT / "mem_cache" / "hicache_transfer.py", "NullBackup")
+    real = _class_methods(SRT / "managers" / "hicache_backup.py", "AsyncBackup")
+    assert not (missing := {m: sorted(used - c) for m, c in (("NullBackup", null), ("AsyncBackup", real))
+                            if used - c}), f"backup hooks without a definition: {missing}"

@@ -136,14 +136,14 @@ class DecodeScheduler(Scheduler):
                 return done
             # Growth to keep free: the running requests', those whose KV is on the way (they run
             # next), and this one's -- else a burst of PD requests is admitted only to be retracted.
-            reserve = self._reserved_for_running() + sum(
-                int(r.sampling_params.max_new_tokens * self.new_token_ratio)
+            reserve = self.decode_manager.reserved_tokens(self.running) + sum(
+                int(r.sampling_params.max_new_tokens * self.decode_manager.new_token_ratio)
                 for r in [st.req for st in self.pd_transfers.values()] + [req])
             if self.allocator.available_size() + self.tree_cache.evictable_size() - reserve < cdiv(n, ps) * ps:
                 return done
             req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
             req.kv_committed_len = req.kv_allocated_len = 0
-            if self.alloc_kv([req], [0], [n], decode=False) is None:
+            if self.cache_manager.alloc_kv([req], [0], [n], decode=False) is None:
                 self.req_to_token_pool.free(req.req_pool_idx)
                 req.req_pool_idx = None
                 return done
@@ -151,7 +151,7 @@ class DecodeScheduler(Scheduler):
             done += 1
             if not req.admitted:
                 req.admitted = True
-                self.num_prompt_tokens += n
+                self.prefill_manager.num_prompt_tokens += n
             pages = request_pages(self.req_to_token_pool.read(req.req_pool_idx, n), ps)
             self.push.send(req.pd_prefill_addr, Register(req.bootstrap_room, self.notify_addr, self.pd.backend.session_id,
                                                          self.pd.desc.meta, self.pd.desc.ptrs, pages.tolist(), n,
@@ -204,7 +204,7 @@ class DecodeScheduler(Scheduler):
 
     def _drop(self, room: int) -> None:
         st = self.pd_transfers.pop(room)
-        self.release_req(st.req)  # kv_committed_len is 0: every preallocated page is freed
+        self.cache_manager.release_req(st.req)  # kv_committed_len is 0: every preallocated page is freed
 
     def _commit(self, room: int) -> None:
         st = self.pd_transfers.pop(room)
@@ -212,7 +212,7 @@ class DecodeScheduler(Scheduler):
         self.pd_bytes += sum(d.bytes_sent for d in dones)
         self.pd_pages += sum(d.pages_sent for d in dones)
         if st.aborting:
-            self.release_req(req)
+            self.cache_manager.release_req(req)
             return
         self.pd_committed += 1
         first = dones[0].first_token
@@ -229,7 +229,7 @@ class DecodeScheduler(Scheduler):
                                                500)
         req.check_finished(self.eos_token_ids, self.tokenizer)
         if req.finished():
-            self.release_req(req)
+            self.cache_manager.release_req(req)
         else:
             self.running.append(req)
         self.pd_out.append(self._make_output(req, [first]))

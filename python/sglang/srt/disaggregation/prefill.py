@@ -150,7 +150,7 @@ class PrefillScheduler(Scheduler):
         room = req.bootstrap_room
         if room is None:  # no decode server paired (warm-up, health checks): the first token is all
             req.finished_reason = FINISH_LENGTH(len(req.output_ids))
-            self.release_req(req)
+            self.cache_manager.release_req(req)
             return
         self.pd_waiting[room] = req
 
@@ -369,7 +369,7 @@ class PrefillScheduler(Scheduler):
 
     def _finish(self, room: int, req: Req) -> None:
         self._finish_room(room)
-        self._release_if_held(req)  # the one release place: into the radix cache (prefix hits here)
+        self.cache_manager.release_if_held(req)  # the one release place: into the radix cache (prefix hits here)
         self.pd_out.append(self._make_output(req, []))
 
     def get_stats(self):

@@ -15,15 +15,19 @@ possible without a device->host round trip between steps:
   SGLANG_CPU_OVERLAP_THREAD=1: the tests use it so the overlapped loop runs really concurrently).
   Not the CPU default: the forward of a small model is Python-bound, the GIL serialises the two
   threads and OpenMP workers spinning beside the scheduler's thread made steps ~2x slower.
+- `OverlapState`: the scheduler's one piece of overlap state, the step launched last whose results
+  are not processed yet (`LaunchedStep`; its requests' epochs at launch are `batch.req_epochs`).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Generic, Protocol, TypeVar
 
 import torch
 
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.utils.common import get_bool_env
 
 FUTURE_TOKEN = -1  # an input id the device fills in from LastTokenTable
@@ -106,3 +110,65 @@ def make_launcher(device: str, world_size: int, overlap: bool) -> InlineLauncher
             and get_bool_env("SGLANG_CPU_OVERLAP_THREAD")):
         return ThreadLauncher()
     return InlineLauncher()
+
+
+class OverlapWorker(Protocol):
+    """What overlap asks of the worker (managers/tp_worker.BaseTpWorker declares both)."""
+
+    supports_overlap: bool
+
+    def needs_host_state(self, req: Req) -> bool: ...
+
+
+@dataclass
+class LaunchedStep:
+    """A step launched on the worker whose results are not processed yet."""
+
+    batch: ScheduleBatch
+    pending: Pending
+
+
+class OverlapState:
+    """Overlap scheduling (`--disable-overlap-schedule` off, and a worker that supports it): step n+1
+    is launched before step n's results are processed, so one step is `launched` between iterations.
+    Without it each step is processed right after its launch and `launched` is None between them."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.launched: LaunchedStep | None = None
+
+    def active(self, worker: OverlapWorker) -> bool:
+        return self.enabled and worker.supports_overlap
+
+    @property
+    def reqs(self) -> list[Req]:
+        """The launched step's requests (a prefill's are in no queue until its step is processed)."""
+        return self.launched.batch.reqs if self.launched is not None else []
+
+    def num_new_running(self) -> int:
+        """Requests the launched step prefills: they join `running` when it is processed."""
+        return self.launched.batch.num_extend_reqs if self.launched is not None else 0
+
+    def must_process_first(self, running: list[Req], worker: OverlapWorker) -> bool:
+        """The launched step's results are applied before the next step is built unless overlap is
+        active, no prefill chunk is in it (its request continues next, one chunked request at a
+        time) and no request that runs next needs those results on the host to be sampled."""
+        if self.launched is None:
+            return False
+        if not self.active(worker) or any(r.is_chunked for r in self.launched.batch.reqs):
+            return True
+        return any(r.needs_host_sampling_state() or worker.needs_host_state(r) for r in running)
+
+    def take(self) -> LaunchedStep:
+        step, self.launched = self.launched, None
+        return step
+
+    def after_launch(self, step: LaunchedStep | None, worker: OverlapWorker) -> list[LaunchedStep]:
+        """Record the step just launched (None: none); the steps to process now, oldest first: the
+        one launched before it and, when overlap is not active, this one too."""
+        done = [self.take()] if self.launched is not None else []
+        if step is not None and not self.active(worker):
+            done.append(step)
+        else:
+            self.launched = step
+        return done

@@ -29,7 +29,7 @@ class SchedulerMetricsMixin:
         self.num_generated_tokens = 0  # decode tokens since the last decode line
         self.last_decode_stats_tic = time.perf_counter()
         self.last_gen_throughput = 0.0
-        self._logged_cached_tokens = 0  # scheduler.num_cached_tokens at the previous prefill line
+        self._logged_cached_tokens = 0  # prefill_manager.num_cached_tokens at the previous prefill line
         # Every rank schedules the same batches: rank 0 speaks for all of them.
         self._log_stats = self.tp_worker.world_group.rank == 0
 
@@ -43,11 +43,12 @@ class SchedulerMetricsMixin:
         """Why the first waiting request is not admitted (the admission watchdog's words)."""
         req = self.waiting_queue[0]
         sp = req.sampling_params
-        need = len(req.fill_ids()) + int(max(sp.max_new_tokens - len(req.output_ids), 0) * self.new_token_ratio)
+        need = len(req.fill_ids()) + self.decode_manager.reserve(req)
         return (f"first waiting request {req.rid!r} ({len(req.origin_input_ids)} prompt tokens, max_new_tokens "
                 f"{sp.max_new_tokens}) needs ~{need} KV tokens + a page; free {self.allocator.available_size()}, "
                 f"evictable {self.tree_cache.evictable_size()}, protected {self.tree_cache.protected_size()}, "
-                f"reserved for running {self._reserved_for_running()} of {self.max_total_num_tokens}; "
+                f"reserved for running {self.decode_manager.reserved_tokens(self.running)} of "
+                f"{self.max_total_num_tokens}; "
                 f"{len(self.running)} running, {len(self.waiting_queue)} waiting, "
                 f"{self.req_to_token_pool.available_size()} request slots free")
 
@@ -65,8 +66,8 @@ class SchedulerMetricsMixin:
 
     def log_prefill_stats(self, batch: ScheduleBatch, n_new: int) -> None:
         new_tokens = sum(batch.extend_lens[:n_new])
-        cached = self.num_cached_tokens - self._logged_cached_tokens
-        self._logged_cached_tokens = self.num_cached_tokens
+        cached = self.prefill_manager.num_cached_tokens - self._logged_cached_tokens
+        self._logged_cached_tokens = self.prefill_manager.num_cached_tokens
         if not (self._log_stats and logger.isEnabledFor(logging.INFO)):
             return
         used, usage = self.get_token_info()

@@ -144,7 +144,7 @@ class SchedulerOutputProcessorMixin:
                 continue  # retracted after launch: recomputed from its tokens later
             if req.finished():  # finished while this step ran: its extra row emits nothing
                 if req.inflight == 0 and req.req_pool_idx is not None:
-                    self.release_req(req)
+                    self.cache_manager.release_req(req)
                 continue
             rows = batch.extend_lens[i]
             accepted = rows if result.accept_lens is None else result.accept_lens[i]
@@ -171,7 +171,7 @@ class SchedulerOutputProcessorMixin:
             if req.sampling_params.max_new_tokens == 0:
                 # Prefill only (e.g. echo + prompt logprobs): the sampled token is not an output.
                 req.finished_reason = FINISH_LENGTH(0)
-                self.release_req(req)
+                self.cache_manager.release_req(req)
                 outputs.append(self._make_output(req, []))
                 continue
             if not is_prefill and rows > 1:
@@ -187,11 +187,12 @@ class SchedulerOutputProcessorMixin:
                 if not is_prefill:
                     self.running.remove(req)
                 if req.inflight == 0:
-                    self.release_req(req)
+                    self.cache_manager.release_req(req)
             else:
                 if accepted < rows:
                     # A later step in flight uses the window [committed, committed + its rows): keep it.
-                    self.free_uncommitted_kv(req, req.kv_committed_len + req.inflight * self.tp_worker.num_tokens_per_req)
+                    keep = req.kv_committed_len + req.inflight * self.tp_worker.num_tokens_per_req
+                    self.cache_manager.free_uncommitted_kv(req, keep)
                 if is_prefill:
                     self.on_prefill_finished(req)
             outputs.append(self._make_output(req, new_ids))

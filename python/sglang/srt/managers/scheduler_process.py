@@ -23,7 +23,7 @@ from sglang.srt.managers.io_struct import (
     GetLoadReq,
     TokenizedGenerateReqInput,
 )
-from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.scheduler import IDLE_POLL_MS, Scheduler
 from sglang.srt.managers.tokenizer_utils import load_tokenizer
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils.common import configure_logger
@@ -31,8 +31,6 @@ from sglang.srt.utils.ipc import PortArgs, get_zmq_socket, kill_itself_when_pare
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_MS = 1000
-EVENT_POLL_MS = 2  # idle, but HiCache copies are still to be acknowledged
 WAKE = "wake"  # rank 0 saw input on one of the scheduler's wake sources: step, even when idle
 
 
@@ -118,16 +116,13 @@ class SchedulerProcess:
         """Serve until `stop()` (never, in the scheduler process; in-process test servers stop).
         Idle, or stalled (the last step did nothing while work remains: nothing fits, or requests
         wait on another server), it sleeps on its sockets instead of stepping in a busy loop."""
-        s, cache = self.scheduler, self.scheduler.tree_cache
+        s = self.scheduler
         while not stop():
             outputs = []
-            copying = cache.has_pending_events()  # HiCache copies to acknowledge: poll for them
             busy = s.has_work()
-            timeout = s.stall_timeout_ms() if busy else IDLE_POLL_MS
             # Work that made no progress last time (requests waiting for KV, transfers): wait briefly
             # on the socket and the scheduler's wake sources instead of spinning a core.
-            msgs = self.recv_requests(block=not busy or not s.last_step_progressed,
-                                      timeout_ms=min(timeout, EVENT_POLL_MS) if copying else timeout,
+            msgs = self.recv_requests(block=not busy or not s.last_step_progressed, timeout_ms=s.poll_timeout_ms(busy),
                                       wake_sources=s.wake_sources() if self.tp_rank == 0 else ())
             if any(isinstance(m, Shutdown) for m in msgs):
                 return  # the server stopped taking requests and aborted those in flight first
@@ -135,8 +130,8 @@ class SchedulerProcess:
                 outputs += self.process(msg)
             if s.has_work() or WAKE in msgs:
                 outputs += s.step()
-            elif copying:
-                cache.check_events()  # a backup that ended after the last step commits now, not at the next request
+            else:
+                s.poll_idle()
             self.ship(outputs)
 
 

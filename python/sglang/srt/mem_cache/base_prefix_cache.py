@@ -17,7 +17,7 @@ load-back -- overrides them). The scheduler calls each from exactly one place:
 - `prepare_batch(batch)` before a batch is launched (e.g. reserve host slots, start load-backs);
 - `on_batch_done(batch)` after the batch's results are applied (e.g. commit backups to the tree).
 A match may hit KV that lives only on the host: `MatchResult.host_hit_length` tokens past the
-device hit, ending at `last_host_node`.
+device hit, ending at `last_host_node`; admission matches through `match_for_admission(key)`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,10 @@ class BasePrefixCache(ABC):
     def on_batch_done(self, batch) -> None:
         pass
 
-    has_storage = False  # an L3 tier under the host tier (HiRadixCache.prefetch_from_storage)
+    def match_for_admission(self, key: list[int]) -> MatchResult:
+        """The match a request is admitted with: its `device_indices` are on the device (or loading
+        to it). HiCache also reads an L3 hit to the host and loads the host part back first."""
+        return self.match_prefix(key)
 
     def init_load_back(self, match: MatchResult) -> MatchResult:
         """Make a match's host part device-resident (HiCache queues a layer-wise load); the result's

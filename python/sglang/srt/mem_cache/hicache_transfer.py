@@ -1,6 +1,7 @@
 """What HiRadixCache asks of the HiCache transfer controller (`managers/cache_controller.py`,
-HiCacheController): the queued transfer (`TransferOp`) and the controller's face (`HostTransfers`).
-The cache is handed a controller and codes against this face, so mem_cache/ imports no manager."""
+HiCacheController): the queued transfer (`TransferOp`) and the controller's face (`HostTransfers`);
+and of its backup policy (`managers/hicache_backup.py`, AsyncBackup): `NullBackup` when there is
+none. The cache is handed both and codes against these faces, so mem_cache/ imports no manager."""
 
 from __future__ import annotations
 
@@ -63,3 +64,33 @@ class HostTransfers(Protocol):
     def wait_idle(self, timeout: float = 60.0) -> None: ...
 
     def unacked_ops(self) -> int: ...
+
+
+class NullBackup:
+    """No backup during the forward (write_back, write_through_selective, a threaded launcher): the
+    cache calls the same hooks as on AsyncBackup, and nothing happens."""
+
+    def reset(self) -> None:
+        pass
+
+    def covers(self, node) -> int:
+        """Tokens of `node` a backup in flight already copies (none)."""
+        return 0
+
+    def on_insert(self, req) -> None:
+        pass
+
+    def check_events(self) -> None:
+        pass
+
+    def has_attached(self) -> bool:
+        return False
+
+    def prepare_batch(self, batch) -> None:
+        pass
+
+    def on_batch_done(self, batch) -> None:
+        pass
+
+    def reserved_size(self) -> int:
+        return 0

@@ -39,7 +39,7 @@ import torch
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 from sglang.srt.mem_cache.cp_page_map import page_owner
-from sglang.srt.mem_cache.hicache_transfer import HostTransfers, TransferOp
+from sglang.srt.mem_cache.hicache_transfer import HostTransfers, NullBackup, TransferOp
 from sglang.srt.mem_cache.memory_pool_host import HostPageAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 from sglang.srt.mem_cache.storage.hicache_storage import page_hashes
@@ -100,7 +100,7 @@ class HiRadixCache(RadixCache):
             raise ValueError(f"hicache write policy {write_policy!r} not in {sorted(WRITE_THRESHOLDS)}")
         self.controller, self.host_allocator, self.write_policy = controller, host_allocator, write_policy
         self.write_threshold = WRITE_THRESHOLDS[write_policy]
-        self.backup = None  # AsyncBackup (managers/hicache_backup.py), set by managers/cache_factory.py for write_through
+        self.backup = NullBackup()  # AsyncBackup (managers/hicache_backup.py) for write_through: cache_factory.py
         self.cp_size = controller.cp_size
         self.stats: collections.Counter = collections.Counter()  # loaded_tokens, backed_up_tokens, evicted_to_host
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
@@ -111,8 +111,7 @@ class HiRadixCache(RadixCache):
             self.controller.wait_idle()
             self.check_events()
             self.host_allocator.clear()
-            if self.backup is not None:
-                self.backup.reset()
+            self.backup.reset()
         self.root = HiTreeNode()
         self.root.lock_ref = 1
         self._evictable = 0
@@ -189,7 +188,7 @@ class HiRadixCache(RadixCache):
             return
         for n in nodes:
             if n.on_device and n.host_value is None and not n.pending and n.hit_count >= self.write_threshold:
-                covered = self.backup.covers(n) if self.backup is not None else 0
+                covered = self.backup.covers(n)
                 if covered >= len(n.key):
                     continue  # its backup already runs in the forward (async write_through)
                 if covered:
@@ -253,11 +252,18 @@ class HiRadixCache(RadixCache):
         for n in op.nodes:
             n.host_value = None
 
-    # -- L3 storage (controller.storage; None = off) ------------------------------------------------
-    @property
-    def has_storage(self) -> bool:
-        return self.controller.storage is not None
+    # -- admission ----------------------------------------------------------------------------------
+    def match_for_admission(self, key: list[int]) -> MatchResult:
+        """Device + host match, extended by what L3 holds past it (read to the host), whose host part
+        then gets device slots and a layer-wise load: all of the result's device_indices are usable."""
+        match = self.match_prefix(key)
+        if self.controller.storage is not None:
+            match = self.prefetch_from_storage(key, match)
+        if match.host_hit_length:  # counts as cached tokens, as a device hit does
+            match = self.init_load_back(match)
+        return match
 
+    # -- L3 storage (controller.storage; None = off) ------------------------------------------------
     def store_to_storage(self, nodes: list[HiTreeNode]) -> None:
         """Write nodes whose host copy was just committed to L3, behind the backups on the write
         thread; each stays pinned on the host (a "store" op in `pending`) until that write is acked."""
@@ -444,8 +450,7 @@ class HiRadixCache(RadixCache):
         counted = req.hicache_counted_len
         new_prefix = self.insert(token_ids[:aligned], kv[:aligned], counted_len=counted)
         req.hicache_counted_len = max(counted, aligned)
-        if self.backup is not None:
-            self.backup.on_insert(req)
+        self.backup.on_insert(req)
         cached = len(req.prefix_indices)
         if new_prefix > cached:
             self.allocator.free(kv[cached:new_prefix])
@@ -462,20 +467,17 @@ class HiRadixCache(RadixCache):
             # copies here (local, no collective) instead of acking whenever they happen to finish.
             self.controller.wait_idle()
         self.controller.poll()  # acks run the ops' on_done (nodes unpinned, failures undone)
-        if self.backup is not None:
-            self.backup.check_events()
+        self.backup.check_events()
 
     def has_pending_events(self) -> bool:
-        return self.controller.unacked_ops() > 0 or (self.backup is not None and self.backup.has_attached())
+        return self.controller.unacked_ops() > 0 or self.backup.has_attached()
 
     def prepare_batch(self, batch) -> None:
-        if self.backup is not None:
-            self.backup.prepare_batch(batch)
+        self.backup.prepare_batch(batch)
 
     def on_batch_done(self, batch) -> None:
         self.check_events()
-        if self.backup is not None:
-            self.backup.on_batch_done(batch)
+        self.backup.on_batch_done(batch)
 
     # -- stats ----------------------------------------------------------------------------------------
     def evictable_size(self) -> int:
@@ -496,7 +498,7 @@ class HiRadixCache(RadixCache):
 
     def host_leak_report(self) -> str | None:
         free, cached = self.host_allocator.available_size(), self.host_total_size()
-        reserved = self.backup.reserved_size() if self.backup is not None else 0
+        reserved = self.backup.reserved_size()
         if free + cached + reserved != self.host_allocator.size:
             return (f"host KV leak: free {free} + cached {cached} + reserved {reserved} != "
                     f"total {self.host_allocator.size}")

@@ -108,7 +108,8 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
     if draft is not None:
         out["_draft"] = {"pool_slots": draft.size, "debug": debug_records[n_debug_before:],
                          "accept_length": sched.tp_worker.avg_accept_length}
-    out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s, "cached_tokens": sched.num_cached_tokens,
+    out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s,
+                     "cached_tokens": sched.prefill_manager.num_cached_tokens,
                      "cache_stats": dict(getattr(sched.tree_cache, "stats", {})), "layer_ends": layer_ends,
                      "comm": dict(mr.cp_counter.elements)
                      if mr.cp_counter is not None else {},

@@ -2,6 +2,13 @@ import os
 
 import pytest
 
+# One CPU thread per process, here and in the servers / benchmark scripts the tests start (they
+# inherit it): the suite runs a client and its servers side by side on a shared 2-core machine,
+# where OpenMP (torch) and OpenBLAS (numpy: the Triton interpreter) threads spin-wait for peers
+# that are descheduled. A --disable-overlap-schedule server decoded 200 tokens in 112 s with the
+# default 2 threads, 2.9 s with 1. Set OMP_NUM_THREADS to choose otherwise. (Neither torch nor
+# numpy is imported yet when pytest loads this file.)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Builtin tiny models are materialised once per machine (then cached) -- never downloaded.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

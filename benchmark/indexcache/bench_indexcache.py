@@ -46,6 +46,10 @@ METHOD = ("times: an untimed warm-up pass per freq at each context (JIT compile,
           "indexer shares: a separate pass with a synchronising timer around Indexer.forward")
 CPU_SMALL = dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=16, intermediate_size=2048,
                  index_topk=512)
+# --smoke (the unit test): the real head / indexer head dims, few heads and a small index_topk, so a
+# context just past it still runs the sparse path; its numbers mean nothing
+SMOKE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, intermediate_size=512, q_lora_rank=256,
+             index_n_heads=8, index_topk=64)
 
 
 def make_config_dir(shape: dict, layers: int, max_pos: int) -> str:
@@ -248,12 +252,13 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--index-k-dtype", default="fp8_e4m3")
     p.add_argument("--cpu-small", action="store_true", help="reduced width + index_topk for CPU (see docstring)")
+    p.add_argument("--smoke", action="store_true", help="tiny widths, index_topk 64: checks the script runs, not speed")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args()
     if args.repeats < 3:
         p.error("--repeats must be >= 3: each point is a median (a mean of 2 hid a cold 4.25 s sample at 128K)")
     args.contexts = [int(x) for x in args.contexts.split(",")]
-    shape = {**SHAPES[args.shape], **(CPU_SMALL if args.cpu_small else {})}
+    shape = {**SHAPES[args.shape], **(CPU_SMALL if args.cpu_small else {}), **(SMOKE if args.smoke else {})}
     path = make_config_dir(shape, args.layers, max(args.contexts) + args.decode_steps + 128)
     runs = bench(path, [int(f) for f in args.freqs.split(",")], args)
     base = runs[0]
@@ -262,12 +267,13 @@ def main() -> None:
         for r, b in zip(run["rows"], base["rows"]):
             r["prefill_speedup_vs_freq1"] = b["prefill_s"] / r["prefill_s"]
             r["decode_speedup_vs_freq1"] = b["decode_step_s"] / r["decode_step_s"]
-    result = {"shape": args.shape, "cpu_small": args.cpu_small, "layers": args.layers, "device": args.device,
+    result = {"shape": args.shape, "cpu_small": args.cpu_small, "smoke": args.smoke, "layers": args.layers, "device": args.device,
               "dtype": args.dtype, "index_k_dtype": args.index_k_dtype, "index_topk": shape["index_topk"],
               "decode_batch": args.decode_batch, "torch": torch.__version__, "shape_params": shape,
               "repeats": args.repeats, "method": METHOD, "runs": runs}
     os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, f"indexcache_{args.shape}_{args.device}{'_small' if args.cpu_small else ''}")
+    stem = os.path.join(args.out_dir, f"indexcache_{args.shape}_{args.device}{'_small' if args.cpu_small else ''}"
+                        f"{'_smoke' if args.smoke else ''}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
     plot(result, stem + ".png")

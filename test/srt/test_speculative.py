@@ -290,7 +290,8 @@ def test_draft_decode_through_its_graph_spec():
     from sglang.srt.speculative.eagle_worker import draft_decode_spec
 
     prompts = _prompts(3)
-    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    # 6 tokens: 5 verifies, each with 2 replayed draft decode steps (interpreted kernels: each step costs)
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     # the Triton kernels (interpreted on CPU) are the capturable backends
     kw = dict(nsa_prefill_backend="triton", nsa_decode_backend="triton", moe_runner_backend="triton")
     ref = _engine(False, **kw).generate(input_ids=prompts, sampling_params=params)
@@ -324,7 +325,9 @@ def test_target_verify_through_its_graph_spec():
 
     model = "builtin:tiny-glm-moe-dsa-mtp"  # (the V3.2 tiny model's verify graph differs only in not handing top-k)
     prompts = [[(11 * i + 7 * j) % 900 + 5 for j in range(30 + 7 * i)] for i in range(3)]
-    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    # "mixed" drafts verify at 1, 2 and 5 tokens generated (accepting 0, 2, 2 drafts): 6 tokens end
+    # inside the last accepted run, as 10 did one verify later
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
     kw = dict(nsa_prefill_backend="triton", nsa_decode_backend="triton", moe_runner_backend="triton")
     ref = _engine(False, model, **kw).generate(input_ids=prompts, sampling_params=params)
     targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}

@@ -17,13 +17,14 @@ _BENCH = Path(__file__).resolve().parents[4] / "benchmark" / "indexcache" / "ben
 
 
 def test_bench_indexcache_cpu_smoke(tmp_path):
-    cmd = [sys.executable, str(_BENCH), "--cpu-small", "--layers", "4", "--freqs", "1,4", "--contexts", "640",
+    cmd = [sys.executable, str(_BENCH), "--cpu-small", "--smoke", "--layers", "4", "--freqs", "1,4", "--contexts", "80",
            "--decode-batch", "1", "--decode-steps", "3", "--repeats", "3", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    stem = tmp_path / "indexcache_deepseek-v32_cpu_small"
+    stem = tmp_path / "indexcache_deepseek-v32_cpu_small_smoke"
     result = json.loads(stem.with_suffix(".json").read_text())
     assert stem.with_suffix(".png").stat().st_size > 0
+    assert result["index_topk"] == 64  # < the context: the sparse (indexer) path runs
     base, shared = result["runs"]
     assert (base["freq"], shared["freq"]) == (1, 4)
     for run in result["runs"]:
@@ -31,7 +32,7 @@ def test_bench_indexcache_cpu_smoke(tmp_path):
             4, [("flags", {"index_topk_freq": run["freq"], "index_skip_topk_offset": run["offset"]})])
         assert run["schedule"] == expected.describe() and run["full_layers"] == len(expected.full_layer_ids)
         (row,) = run["rows"]
-        assert row["context"] == 640 and row["prefill_s"] > 0 and row["decode_step_s"] > 0
+        assert row["context"] == 80 and row["prefill_s"] > 0 and row["decode_step_s"] > 0
         assert 0 < row["prefill_indexer_share"] < 1 and 0 < row["decode_indexer_share"] < 1
         # interleaved repeats, median (what benchmark/RESULTS.md states)
         assert len(row["samples"]) == 3 and row["prefill_s"] == statistics.median(x["prefill_s"] for x in row["samples"])

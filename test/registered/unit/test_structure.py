@@ -123,7 +123,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("srt.model_loader.loader",),                        # builds a model class and loads its weights
     ("srt.disaggregation.__init__", "srt.disaggregation.transfer", "srt.disaggregation.kv_layout",
      "srt.disaggregation.messages", "srt.disaggregation.common"),  # PD's data plane
-    ("srt.server_args",),                                # flags: choices read from the registries below
+    ("srt.server_args", "srt.server_args_checks"),       # flags: choices read from the registries below
     ("srt.model_executor",),
     ("srt.managers",),
     ("srt.speculative",),

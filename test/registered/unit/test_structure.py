@@ -459,3 +459,25 @@ def test_size_scan_catches_long_modules_and_functions():
     nested = "class A:\n    async def g(self):\n        def h():\n" + "            y = 2\n" * 5
     assert size_violations(nested, max_module=100, max_function=5) == [
         "line 2: g() has 7 lines (> 5)", "line 3: h() has 6 lines (> 5)"]
+
+
+# Names that meant several things or nothing (issue 32): a request's count of launched, unprocessed
+# steps is `Req.unprocessed_steps`; PD's sends are `pd_sending`; the index K's FP8 flag is
+# `index_k_fp8` beside the MLA KV's `kv_fp8`; PD's steps say what they do.
+RETIRED_NAMES = {  # area -> names
+    ("managers", "mem_cache", "disaggregation", "layers/attention"): {"inflight", "pd_inflight", "is_fp8"},
+    ("disaggregation",): {"_take_out", "_reap", "_progress", "_start", "_sent", "_forget"},
+}
+
+
+def test_retired_names_stay_retired():
+    bad = {}
+    for areas, names in RETIRED_NAMES.items():
+        for f in sorted(p for area in areas for p in (SRT / area).rglob("*.py")):
+            src = f.read_text()
+            hits = names_used(src, names)
+            hits += [f"line {n.lineno}: def {n.name}" for n in ast.walk(ast.parse(src))
+                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in names]
+            if hits:
+                bad[str(f.relative_to(SRT))] = hits
+    assert not bad, f"retired names are back (test_structure.RETIRED_NAMES says what replaced them): {bad}"

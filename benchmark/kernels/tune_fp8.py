@@ -37,16 +37,16 @@ V32_MOE = [dict(experts=256, routed=256, hidden=7168, inter=2048, top_k=8),
 SMOKE_GEMM = [("tiny", 200, 256)]
 SMOKE_MOE = [dict(experts=8, routed=8, hidden=256, inter=128, top_k=2),
              dict(experts=4, routed=8, hidden=256, inter=128, top_k=2)]
-# Fp8GemmConfig fields: (block_m, block_n, split_k, group_m, num_warps, num_stages, prequant)
+# Fp8GemmConfig fields: (block_m, block_n, split_k, group_m, num_warps, num_stages, prequant[, tma])
 GEMM_CANDIDATES = {
     1: [(16, 64, 1, 1, 4, 6, False), (16, 64, 4, 1, 4, 4, False), (16, 128, 2, 1, 4, 4, False),
         (16, 32, 2, 1, 4, 6, False), (16, 64, 4, 1, 4, 4, True)],
     64: [(64, 64, 1, 1, 4, 4, False), (32, 64, 2, 1, 4, 4, False), (64, 128, 1, 1, 4, 4, True),
          (16, 64, 4, 1, 4, 4, False), (32, 128, 1, 1, 4, 4, True)],
     256: [(64, 128, 1, 8, 4, 4, True), (128, 128, 1, 8, 8, 4, True), (64, 64, 1, 8, 4, 4, True),
-          (64, 128, 2, 8, 4, 4, True)],
-    4096: [(128, 128, 1, 8, 8, 4, True), (128, 128, 1, 8, 8, 3, True), (128, 64, 1, 8, 4, 4, True),
-           (64, 128, 1, 8, 4, 4, True), (128, 256, 1, 8, 8, 3, True)],
+          (64, 128, 2, 8, 4, 4, True), (64, 128, 1, 8, 4, 4, True, True)],
+    4096: [(128, 128, 1, 8, 8, 4, True), (128, 128, 1, 8, 8, 4, True, True), (128, 128, 1, 8, 8, 3, True),
+           (128, 64, 1, 8, 4, 4, True), (128, 256, 1, 8, 8, 3, True, True), (64, 128, 1, 8, 4, 4, True)],
 }
 # Fp8MoEConfig: gate-up (up_n, up_warps, up_stages), down (down_n, down_warps, down_stages)
 MOE_UP = [(128, 4, 4), (128, 8, 3), (128, 4, 3), (64, 4, 4)]

@@ -53,6 +53,7 @@ class Fp8GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     prequant: bool = True  # W8A8: quantise A once (True) or in the GEMM prologue (False); same bytes
+    tma: bool = False  # prequant, no split-K: operand tiles by Hopper's tensor-memory copies (descriptors)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -61,6 +62,8 @@ class Fp8GemmConfig:
                 raise ValueError(f"Fp8GemmConfig.{name} = {v}: must be a power of two >= 16")
         if self.split_k < 1 or self.group_m < 1:
             raise ValueError(f"Fp8GemmConfig: split_k {self.split_k} / group_m {self.group_m} must be >= 1")
+        if self.tma and (not self.prequant or self.split_k > 1):
+            raise ValueError("Fp8GemmConfig.tma needs prequant=True and split_k=1")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -105,6 +108,18 @@ def gemm_shape_key(n: int, k: int) -> str:
 
 
 @triton.jit
+def promotion(s, ws, SCALAR_WS: tl.constexpr):
+    """The fp32 factor of one K block's fp8 dot: the activation scale per row x the weight scale per
+    column. A tile inside one weight block has one weight scale, so the factor is a column [BM, 1] and
+    acc += dot * factor is one FMA per element (an outer product costs a multiply more: next to a
+    128 x 128 x 128 FP8 MMA, 2 extra ops per accumulator element rival the MMA itself)."""
+    if SCALAR_WS:
+        return (s * ws)[:, None]
+    else:
+        return s[:, None] * ws[None, :]
+
+
+@triton.jit
 def _w8_block_gemm_kernel(X, XS, W, WS, Y, P, BIAS, M, N, K,
                           stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym, stride_ps, stride_pm,
                           SPLIT_K, BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -137,7 +152,10 @@ def _w8_block_gemm_kernel(X, XS, W, WS, Y, P, BIAS, M, N, K,
     kb1 = tl.minimum(kb0 + per_split, k_blocks)
     a_ptrs = X + safe_m[:, None] * stride_xm + (kb0 * BLOCK_K + offs_k)[None, :]
     b_ptrs = W + safe_n[None, :] * stride_wn + (kb0 * BLOCK_K + offs_k)[:, None]
-    ws_ptrs = WS + (safe_n // BN) * stride_wsn
+    if BLOCK_N <= BN:  # the tile sits in one weight-scale block: one scale per K step (see promotion)
+        ws_ptrs = WS + ((pid_n * BLOCK_N) // BN) * stride_wsn
+    else:
+        ws_ptrs = WS + (safe_n // BN) * stride_wsn
     xs_ptrs = XS + safe_m * stride_xsm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb0, kb1):
@@ -151,14 +169,14 @@ def _w8_block_gemm_kernel(X, XS, W, WS, Y, P, BIAS, M, N, K,
         ws = tl.load(ws_ptrs + kb)
         if A_MODE == 2:  # prequantised codes and their per-row scales
             s = tl.load(xs_ptrs + kb)
-            acc += tl.dot(a, b) * s[:, None] * ws[None, :]
+            acc += tl.dot(a, b) * promotion(s, ws, BLOCK_N <= BN)
         elif A_MODE == 1:  # fp8_quant.group_scale / quantize_tile on the tile: the same bytes
             af = a.to(tl.float32)
             s = tl.div_rn(tl.maximum(tl.max(tl.abs(af), 1), EPS), 448.0)
             q = tl.minimum(tl.maximum(tl.div_rn(af, s[:, None]), -448.0), 448.0).to(tl.float8e4nv)
-            acc += tl.dot(q, b) * s[:, None] * ws[None, :]
+            acc += tl.dot(q, b) * promotion(s, ws, BLOCK_N <= BN)
         else:  # W8A16: the weight tile dequantised to x's dtype (the twin's operand, bit for bit)
-            bw = (b.to(tl.float32) * ws[None, :]).to(a.dtype)
+            bw = (b.to(tl.float32) * ws).to(a.dtype)  # ws: one scale, or one per column
             acc = tl.dot(a, bw, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -170,6 +188,41 @@ def _w8_block_gemm_kernel(X, XS, W, WS, Y, P, BIAS, M, N, K,
                  mask=out_mask)
     else:
         tl.store(P + sk * stride_ps + offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _w8a8_tma_kernel(a_desc, b_desc, XS, WS, Y, BIAS, M, N, K, stride_xsm, stride_wsn, stride_ym,
+                     BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A_MODE 2 of `_w8_block_gemm_kernel` with the fp8 tiles fetched through tensor descriptors (zero
+    fill past the edges, as the masked loads); the same sum: acc += dot(a, b) * s_x * s_w per K block."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe_n = (offs_n % N).to(tl.int64)
+    xs_ptrs = XS + (offs_m % M).to(tl.int64) * stride_xsm
+    if BLOCK_N <= BN:
+        ws_ptrs = WS + ((pid_n * BLOCK_N) // BN) * stride_wsn
+    else:
+        ws_ptrs = WS + (safe_n // BN) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+        b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
+        s = tl.load(xs_ptrs + kb)
+        ws = tl.load(ws_ptrs + kb)
+        acc += tl.dot(a, b.T) * promotion(s, ws, BLOCK_N <= BN)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + safe_n).to(tl.float32)[None, :]
+    tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
@@ -214,6 +267,9 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor,
     a = a if a.stride(1) == 1 else a.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
     xs = a_scale if a_scale is not None else scale  # unread unless A_MODE 2
+    if cfg.tma and a_mode == 2 and k % 16 == 0:  # descriptors need 16-byte row strides
+        _launch_tma(a, xs, weight, scale, y, bias, block_size, cfg)
+        return y
     split = cfg.split_k
     part = torch.empty((split, m, n), dtype=torch.float32, device=a.device) if split > 1 else y
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
@@ -232,6 +288,22 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor,
             part, bias if bias is not None else y, y, m * n, n, part.stride(0), split,
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
     return y
+
+
+def _launch_tma(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor,
+                bias: torch.Tensor | None, block_size: tuple[int, int], cfg: Fp8GemmConfig) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = a.shape
+    n = weight.shape[0]
+    bn, bk = block_size
+    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, bk])
+    b_desc = TensorDescriptor.from_tensor(weight, [cfg.block_n, bk])
+    _w8a8_tma_kernel[(triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)](
+        a_desc, b_desc, a_scale, scale, y, bias if bias is not None else y, m, n, k, a_scale.stride(0),
+        scale.stride(0), y.stride(0), BN=bn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+        GROUP_M=cfg.group_m, HAS_BIAS=bias is not None, num_warps=cfg.num_warps,
+        num_stages=fit_stages(cfg.num_stages, (cfg.block_m + cfg.block_n) * bk))
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel import fp8_tables
+from sgl_kernel.fp8_gemm import promotion
 from sgl_kernel.fp8_quant import FP8_SCALE_EPS, per_token_group_quant_fp8
 from sgl_kernel.moe import _alloc, _combine_kernel, _tile_ids, moe_align_block_size
 from sgl_kernel.utils import dot_precision, fit_stages, next_pow2, patch_interpreter
@@ -119,8 +120,12 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr, hd_ptr,
     a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + N * stride_wn
-    gs_ptrs = ws_ptr + expert * stride_wse + (offs_wn // BN) * stride_wsn
-    us_ptrs = ws_ptr + expert * stride_wse + ((offs_wn + N) // BN) * stride_wsn
+    if BLOCK_N <= BN:  # one weight-scale block per tile (N % BN == 0: gate and up blocks apart)
+        gs_ptrs = ws_ptr + expert * stride_wse + ((pid_n * BLOCK_N) // BN) * stride_wsn
+        us_ptrs = ws_ptr + expert * stride_wse + ((pid_n * BLOCK_N + N) // BN) * stride_wsn
+    else:
+        gs_ptrs = ws_ptr + expert * stride_wse + (offs_wn // BN) * stride_wsn
+        us_ptrs = ws_ptr + expert * stride_wse + ((offs_wn + N) // BN) * stride_wsn
     xs_ptrs = xs_ptr + tok * stride_xsm
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -138,11 +143,11 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, outs_ptr, hd_ptr,
         us = tl.load(us_ptrs + kb)
         if A_FP8:
             s = tl.load(xs_ptrs + kb)
-            acc_g += tl.dot(a, g) * s[:, None] * gs[None, :]
-            acc_u += tl.dot(a, u) * s[:, None] * us[None, :]
+            acc_g += tl.dot(a, g) * promotion(s, gs, BLOCK_N <= BN)
+            acc_u += tl.dot(a, u) * promotion(s, us, BLOCK_N <= BN)
         else:
-            acc_g = tl.dot(a, (g.to(tl.float32) * gs[None, :]).to(a.dtype), acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, (u.to(tl.float32) * us[None, :]).to(a.dtype), acc_u, input_precision=PRECISION)
+            acc_g = tl.dot(a, (g.to(tl.float32) * gs).to(a.dtype), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, (u.to(tl.float32) * us).to(a.dtype), acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -178,7 +183,10 @@ def _down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, weight_ptr, sorted_p
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + safe_rows[:, None] * stride_am + offs_k[None, :]
     b_ptrs = w_ptr + expert * stride_we + offs_wn[None, :] * stride_wn + offs_k[:, None]
-    bs_ptrs = ws_ptr + expert * stride_wse + (offs_wn // BN) * stride_wsn
+    if BLOCK_N <= BN:
+        bs_ptrs = ws_ptr + expert * stride_wse + ((pid_n * BLOCK_N) // BN) * stride_wsn
+    else:
+        bs_ptrs = ws_ptr + expert * stride_wse + (offs_wn // BN) * stride_wsn
     as_ptrs = as_ptr + safe_rows * stride_asm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
@@ -192,9 +200,9 @@ def _down_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, weight_ptr, sorted_p
         bs = tl.load(bs_ptrs + kb)
         if A_FP8:
             s = tl.load(as_ptrs + kb)
-            acc += tl.dot(a, b) * s[:, None] * bs[None, :]
+            acc += tl.dot(a, b) * promotion(s, bs, BLOCK_N <= BN)
         else:
-            acc = tl.dot(a, (b.to(tl.float32) * bs[None, :]).to(a.dtype), acc, input_precision=PRECISION)
+            acc = tl.dot(a, (b.to(tl.float32) * bs).to(a.dtype), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     acc = acc * tl.load(weight_ptr + safe_rows, mask=row_ok, other=0.0)[:, None]

@@ -66,7 +66,7 @@ def test_block_gemm_matches_twin(m, n, k):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     bias = torch.randn(n).to(DEVICE)
     configs = [None, Fp8GemmConfig(16, 64, split_k=2, group_m=1), Fp8GemmConfig(16, 64, split_k=3, prequant=False),
-               fixed_gemm_config(BLOCK)]
+               Fp8GemmConfig(64, 64, group_m=2, tma=True), fixed_gemm_config(BLOCK)]  # tma: descriptor loads
     for fp8_act in (True, False):
         ref = fp8_block_linear_ref(x, q, s, BLOCK, bias, fp8_act)
         for cfg in configs:
@@ -96,8 +96,26 @@ def test_prequant_equals_prologue_bit_for_bit(m, n, k):
             given = fp8_block_gemm(*per_token_group_quant_fp8(x, BLOCK[1]), q, s, BLOCK, dt, bias,
                                    config=Fp8GemmConfig(*tile))
             assert torch.equal(given, pre), (dt, tile)
+    with pytest.raises(ValueError, match="tma"):
+        Fp8GemmConfig(64, 64, split_k=2, tma=True)
     with pytest.raises(ValueError, match="codes"):
         fp8_block_gemm(x, torch.ones(m, 2, device=DEVICE), q, s, BLOCK, x.dtype)
+
+
+def test_block_gemm_tile_wider_than_the_weight_block():
+    """BLOCK_N 128 over 64-row weight blocks: two weight scales per tile (the outer-product promotion;
+    narrower tiles take one scale per K step)."""
+    block = (64, 128)
+    g = torch.Generator().manual_seed(13)
+    q, s = quantize_fp8_block(torch.randn(200, 256, generator=g) * 0.05 * (2.0 ** torch.rand(200, 1, generator=g)),
+                              block)
+    q, s = q.to(DEVICE), s.to(DEVICE)
+    x = torch.randn(20, 256, generator=g).to(DEVICE)
+    for fp8_act in (True, False):
+        ref = fp8_block_linear_ref(x, q, s, block, None, fp8_act)
+        for cfg in (Fp8GemmConfig(16, 128, 2, 1), Fp8GemmConfig(32, 128, prequant=False), Fp8GemmConfig(32, 128, tma=True)):
+            out = fp8_block_linear(x, q, s, block, None, fp8_act, config=cfg)
+            assert _rel(out, ref) < (FP8_DOT_REL if fp8_act else FP32_REL), (fp8_act, cfg)
 
 
 def test_block_gemm_fixed_config_is_batch_invariant():
@@ -139,9 +157,10 @@ def test_fused_moe_fp8_matches_twin(monkeypatch, expert_offset):
     x = torch.randn(9, 160, generator=g).to(DEVICE)
     ids = torch.randint(0, 6, (9, 2), generator=g).to(DEVICE)
     tw = torch.rand(9, 2, generator=g).to(DEVICE)
-    # the heuristic (gate-up tile = one K block: quant fused in its epilogue), then a 64-wide gate-up tile
-    # (the intermediate quantised by its own launch) with 32-row blocks
-    configs = [None, Fp8MoEConfig(block_m=32, up_n=64, up_warps=4, up_stages=2, down_n=64, group_m=2)]
+    # the heuristic (gate-up tile = one K block: quant fused in its epilogue), a 64-wide gate-up tile
+    # (the intermediate quantised by its own launch) with 32-row blocks, a down tile over two weight blocks
+    configs = [None, Fp8MoEConfig(block_m=32, up_n=64, up_warps=4, up_stages=2, down_n=64, group_m=2),
+               Fp8MoEConfig(block_m=16, up_n=128, down_n=256, down_stages=2)]
     for fp8_act in (True, False):
         ref = fused_experts_fp8_native(x, w13, s13, w2, s2, tw, ids, expert_offset, BLOCK, fp8_act)
         for cfg in configs:
@@ -203,9 +222,17 @@ def test_config_tables_are_read_for_the_device(tmp_path, monkeypatch):
         fp8_tables.clear_cache()
 
 
-def test_fp8_model_with_triton_kernels_equals_twins(builtin_path, monkeypatch):
+@pytest.mark.parametrize("act", ["model_dtype", "fp8_e4m3"])
+def test_fp8_model_with_triton_kernels_equals_twins(builtin_path, monkeypatch, act):
     """Feature on vs off: the FP8 tiny model through the Triton GEMM + FP8 fused MoE (interpreter on CPU)
-    gives the logits of the torch twins (fp32: the kernels' K-blocked sums, ~1e-6 relative)."""
+    gives the logits of the torch twins.
+
+    W8A16 (activations in fp32): the kernels' K-blocked sums vs the twins' matmuls, ~1e-6 relative
+    (bound 1e-4). W8A8: every call equals its twin to fp32 rounding (the tests above), but the next
+    layer re-quantises its input to e4m3, a step function: an fp32-ulp difference that lands on a
+    rounding boundary moves that element by one e4m3 step (2^-4 relative), and such flips compound
+    over the layers (2e-2 measured on CPU after an arithmetic-order change, 5e-7 before it). Bound:
+    2^-4 relative -- a wrong scale, tile or row in any kernel is an O(1) error."""
     from sglang.srt.entrypoints.engine import Engine
     from sglang.srt.layers.quantization import fp8_utils
     from sglang.srt.testing.runner_utils import prefill_all_logits
@@ -227,10 +254,10 @@ def test_fp8_model_with_triton_kernels_equals_twins(builtin_path, monkeypatch):
     for tag, on in (("twin", False), ("triton", True)):
         monkeypatch.setattr(fp8_utils, "use_fp8_kernels", lambda device, on=on: on)  # either path on any device
         e = Engine(model_path=path, dtype="float32", device=DEVICE, max_total_tokens=1024, nsa_index_k_dtype="float32",
-                   random_seed=0, moe_runner_backend="triton" if on else "torch")
+                   random_seed=0, moe_runner_backend="triton" if on else "torch", fp8_activation_dtype=act)
         try:
             out[tag] = torch.cat(prefill_all_logits(e.scheduler.tp_worker.model_runner, prompt))
         finally:
             e.shutdown()
         assert (calls["gemm"] > 0 and calls["moe"] > 0) == on, calls  # the path under test really ran
-    assert _rel(out["triton"], out["twin"]) < 1e-4
+    assert _rel(out["triton"], out["twin"]) < (1e-4 if act == "model_dtype" else 2**-4)

@@ -39,8 +39,9 @@ SMOKE_MOE = [dict(experts=8, routed=8, hidden=256, inter=128, top_k=2),
              dict(experts=4, routed=8, hidden=256, inter=128, top_k=2)]
 # Fp8GemmConfig fields: (block_m, block_n, split_k, group_m, num_warps, num_stages, prequant[, tma])
 GEMM_CANDIDATES = {
-    1: [(16, 64, 1, 1, 4, 6, False), (16, 64, 4, 1, 4, 4, False), (16, 128, 2, 1, 4, 4, False),
-        (16, 32, 2, 1, 4, 6, False), (16, 64, 4, 1, 4, 4, True)],
+    # decode M: enough programs streaming the weight (split-K is a run-time argument: no extra compile)
+    1: [(16, 64, 1, 1, 4, 6, False), (16, 64, 4, 1, 4, 4, False), (16, 64, 8, 1, 4, 4, False),
+        (16, 128, 4, 1, 4, 4, False), (16, 32, 4, 1, 4, 6, False), (16, 64, 4, 1, 4, 4, True)],
     64: [(64, 64, 1, 1, 4, 4, False), (32, 64, 2, 1, 4, 4, False), (64, 128, 1, 1, 4, 4, True),
          (16, 64, 4, 1, 4, 4, False), (32, 128, 1, 1, 4, 4, True)],
     256: [(64, 128, 1, 8, 4, 4, True), (128, 128, 1, 8, 8, 4, True), (64, 64, 1, 8, 4, 4, True),

@@ -63,8 +63,10 @@ class Fp8MoEConfig:
 
 def heuristic_fp8_moe_config(num_tokens: int, top_k: int, num_experts: int,
                              block_size: tuple[int, int]) -> Fp8MoEConfig:
-    """No table: block_m by the average rows per expert (as the bf16 heuristic); gate-up tiles one K
-    block wide (the fused quant), 8 warps from 64 rows (two fp32 accumulators and their dot results)."""
+    """No table: block_m by the average rows per expert (as the bf16 heuristic), at most 64: the gate-up
+    kernel holds two fp32 accumulators and a dot result, and at 128 x 128 on 8 warps that spills
+    (ptxas for sm_90a: 255 registers + 76 B of spill stores; 64 rows: 180, none). Gate-up tiles one K
+    block wide (the fused quant), 8 warps from 64 rows."""
     bn, bk = block_size
     avg = num_tokens * top_k / max(num_experts, 1)
     up_n = min(bk, bn) if bn % bk == 0 or bk % bn == 0 else min(64, bn)
@@ -72,9 +74,7 @@ def heuristic_fp8_moe_config(num_tokens: int, top_k: int, num_experts: int,
         return Fp8MoEConfig(16, up_n, 4, 4, min(128, bn), 4, 4, 1)
     if avg <= 48:
         return Fp8MoEConfig(32, up_n, 4, 4, min(128, bn), 4, 4, 8)
-    if avg <= 512:
-        return Fp8MoEConfig(64, up_n, 8, 3, min(128, bn), 4, 4, 8)
-    return Fp8MoEConfig(128, up_n, 8, 3, min(128, bn), 8, 3, 8)
+    return Fp8MoEConfig(64, up_n, 8, 3, min(128, bn), 4, 4, 8)
 
 
 def moe_shape_key(num_experts: int, hidden: int, inter: int, top_k: int) -> str:

@@ -13,6 +13,8 @@ decode-sized M (how decode runs), else eager; do_bench's median. The MoE is tune
 `fp8_{gemm,moe}_<device>.json` in --config-dir (default sgl-kernel/sgl_kernel/configs; --smoke: the
 out dir only) and a copy under --out-dir, with every timing in tune_fp8_<device>.json and a plot
 (skipped without matplotlib). --budget-s stops starting new cases (the ones left keep the heuristic).
+Every candidate compiles for sm_90a without spills and with a pipelined K loop
+(benchmark/kernels/fp8_sm90_report.py checks that on CPU: run it after editing the lists below).
 """
 
 from __future__ import annotations

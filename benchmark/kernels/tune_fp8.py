@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-BUCKETS = [1, 16, 64, 256, 1024, 4096]
+# the M / token buckets, the issue's goal sizes (1, 64, 4096) first: a budget cut drops the others
+BUCKETS = [1, 64, 4096, 16, 256, 1024]
 # (name, N, K) per GPU at --tp-size 8 (column shards split N, row shards split K; q_a / kv_a, the
 # indexer's wq_b and the shared expert are replicated)
 V32_GEMM = [("v32 fused_qkv_a", 2112, 7168), ("v32 q_b", 3072, 1536), ("v32 o_proj", 7168, 2048),
@@ -91,8 +92,8 @@ FP8 = torch.float8_e4m3fn
 T0 = time.monotonic()
 
 
-def over_budget() -> bool:
-    return time.monotonic() - T0 > ARGS.budget_s
+def over_budget(share: float = 1.0) -> bool:
+    return time.monotonic() - T0 > ARGS.budget_s * share
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -155,23 +156,24 @@ def gemm_candidates(m: int, n: int, k: int) -> list[Fp8GemmConfig]:
     return cands[:2] if ARGS.smoke else cands
 
 
-def tune_gemm(shapes: list, device: str, dt: torch.dtype, gen, report: list, table: dict) -> dict:
+def tune_gemm(shapes: list, device: str, dt: torch.dtype, gen, report: list, table: dict, share: float) -> dict:
+    """M outermost (BUCKETS' order): what the budget share cuts is the less used buckets."""
     ms = [1, 20] if ARGS.smoke else BUCKETS
-    for name, n, k in tqdm(shapes, desc="fp8 gemm shapes"):
-        w, s = fp8_codes((n, k), device, gen), block_scales(n, k, device, gen)
-        for m in ms:
-            if over_budget():
-                break
-            x = torch.randn(m, k, generator=gen, device=device).to(dt)
-            ref = fp8_block_linear_ref(x, w, s, BLOCK)
-            rows = try_candidates(
-                gemm_candidates(m, n, k),
-                run=lambda cfg: time_fn(lambda: fp8_block_linear(x, w, s, BLOCK, config=cfg), device, m <= 64),
-                check=lambda cfg: rel_err(fp8_block_linear(x, w, s, BLOCK, config=cfg), ref))
-            best = pick(rows)
-            report.append(dict(kind="fp8_gemm", shape=name, n=n, k=k, m=m, candidates=rows, best=best))
-            if best is not None:
-                table.setdefault(gemm_shape_key(n, k), {})[str(m)] = rows[best]["config"]
+    weights = {(n, k): (fp8_codes((n, k), device, gen), block_scales(n, k, device, gen)) for _, n, k in shapes}
+    for m, (name, n, k) in tqdm([(m, sh) for m in ms for sh in shapes], desc="fp8 gemm"):
+        if over_budget(share):
+            break
+        w, s = weights[n, k]
+        x = torch.randn(m, k, generator=gen, device=device).to(dt)
+        ref = fp8_block_linear_ref(x, w, s, BLOCK)
+        rows = try_candidates(
+            gemm_candidates(m, n, k),
+            run=lambda cfg: time_fn(lambda: fp8_block_linear(x, w, s, BLOCK, config=cfg), device, m <= 64),
+            check=lambda cfg: rel_err(fp8_block_linear(x, w, s, BLOCK, config=cfg), ref))
+        best = pick(rows)
+        report.append(dict(kind="fp8_gemm", shape=name, n=n, k=k, m=m, candidates=rows, best=best))
+        if best is not None:
+            table.setdefault(gemm_shape_key(n, k), {})[str(m)] = rows[best]["config"]
     return table
 
 
@@ -200,7 +202,7 @@ def moe_block_ms(t: int, shape: dict) -> list[int]:
     return [16] if avg <= 4 else [16, 32] if avg <= 16 else [32, 64] if avg <= 64 else [64]
 
 
-def tune_moe(device: str, dt: torch.dtype, gen, report: list) -> dict:
+def tune_moe(device: str, dt: torch.dtype, gen, report: list, share: float) -> dict:
     from sglang.srt.layers.moe.fused_moe_native import fused_experts_fp8_native
 
     table: dict = {}
@@ -211,7 +213,7 @@ def tune_moe(device: str, dt: torch.dtype, gen, report: list) -> dict:
         w = {key: v[: shape["experts"]] for key, v in full.items()}
         key = moe_shape_key(shape["experts"], shape["hidden"], shape["inter"], shape["top_k"])
         for t in tqdm(tokens, desc=f"fp8 moe E={shape['experts']}"):
-            if over_budget():
+            if over_budget(share):
                 break
             x = torch.randn(t, shape["hidden"], generator=gen, device=device).to(dt)
             scores = torch.rand(t, shape["routed"], generator=gen, device=device)
@@ -235,7 +237,7 @@ def tune_moe(device: str, dt: torch.dtype, gen, report: list) -> dict:
             step1 = dedup(step1)[:2] if ARGS.smoke else dedup(step1)
             rows = try_candidates(step1, run, check)
             best = pick(rows)
-            if best is not None and not ARGS.smoke and not over_budget():
+            if best is not None and not ARGS.smoke and not over_budget(share):
                 b = Fp8MoEConfig(**rows[best]["config"])
                 up = (b.up_n, b.up_warps, b.up_stages)
                 step2 = [c for c in dedup([moe_config(b.block_m, up, d) for d in MOE_DOWN]) if c.to_json() not in
@@ -287,16 +289,18 @@ def main() -> int:
     report: list = []
     written = []
     gemm: dict = {}
-    # V3.2's GEMMs, its MoE, then GLM-5's GEMMs: what the budget leaves out keeps the heuristic
+    # V3.2's GEMMs (until 40% of the budget), its MoE (until 85%), then GLM-5's GEMMs: what the
+    # budget leaves out keeps the heuristic
+    both = ARGS.only is None
     if ARGS.only in (None, "gemm"):
-        tune_gemm(SMOKE_GEMM if ARGS.smoke else V32_GEMM, device, dt, gen, report, gemm)
+        tune_gemm(SMOKE_GEMM if ARGS.smoke else V32_GEMM, device, dt, gen, report, gemm, 0.4 if both else 0.7)
     if ARGS.only in (None, "moe"):
-        written += write_table("fp8_moe", tune_moe(device, dt, gen, report), dev_key, dirs)
+        written += write_table("fp8_moe", tune_moe(device, dt, gen, report, 0.85 if both else 1.0), dev_key, dirs)
         if device == "cuda":
             torch.cuda.empty_cache()  # the MoE's 11 GB of experts
     if ARGS.only in (None, "gemm"):
         if not ARGS.smoke:
-            tune_gemm(GLM5_GEMM, device, dt, gen, report, gemm)
+            tune_gemm(GLM5_GEMM, device, dt, gen, report, gemm, 1.0)
         written += write_table("fp8_gemm", gemm, dev_key, dirs)
     fp8_tables.clear_cache()
     elapsed = time.monotonic() - T0

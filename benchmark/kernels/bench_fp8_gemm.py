@@ -2,11 +2,15 @@
 ceilings measured in the same run (issue 30, item 5).
 
     python benchmark/kernels/bench_fp8_gemm.py --out-dir $OUT            # GPU: M = 1, 64, 4096
-    python benchmark/kernels/bench_fp8_gemm.py --out-dir $OUT --sweep    # + candidate tile configs
+    python benchmark/kernels/bench_fp8_gemm.py --out-dir $OUT --sweep    # + the heuristic and fixed configs
     python benchmark/kernels/bench_fp8_gemm.py --smoke --out-dir /tmp/o  # CPU interpreter, tiny shapes
 
 Per shape and M: the kernel first checked against its torch twin (rel err), then timed (median of
-do_bench; M <= 64 also as a CUDA-graph replay, which also proves no host syncs). Ceilings, same run:
+do_bench; M <= 64 also as a CUDA-graph replay, which also proves no host syncs), with the config the
+kernel picks (the device's tuned table, tune_fp8.py, else the heuristic); --sweep adds rows for the
+heuristic's and the deterministic (fixed) config. Configs that quantise the activations once are also
+timed on codes quantised beforehand (`gemm_only_*`: the GEMM without the quant launch, what a quant
+fused into the previous op would leave). Ceilings, same run:
 FP8 matmul rate = torch._scaled_mm at the same shape (per-tensor scales, bf16 out; M padded to 16),
 bandwidth = a 2 GB device-to-device copy (read + write bytes / time). Goals: >= 70% of _scaled_mm's
 TFLOP/s at M = 4096, >= 70% of the copy bandwidth on the weight bytes at M <= 64. The bf16 matmul of
@@ -28,11 +32,6 @@ REPO = Path(__file__).resolve().parents[2]
 V32_SHAPES = [("fused_qkv_a", 2112, 7168), ("q_b (tp8)", 3072, 1536), ("o_proj (tp8)", 7168, 2048),
               ("indexer wq_b", 8192, 1536), ("shared gate_up", 4096, 7168), ("shared down", 7168, 2048)]
 SMOKE_SHAPES = [("tiny", 200, 256)]
-# (block_m, block_n, split_k, group_m, num_warps, num_stages)
-SWEEP = {"decode": [(16, 64, 1, 1, 4, 4), (16, 64, 4, 1, 4, 4), (16, 128, 2, 1, 4, 4), (16, 128, 8, 1, 4, 3),
-                    (32, 64, 4, 1, 4, 4)],
-         "prefill": [(64, 128, 1, 8, 4, 3), (128, 128, 1, 8, 8, 3), (128, 128, 1, 8, 4, 4), (128, 64, 1, 8, 4, 4),
-                     (64, 128, 1, 8, 8, 4)]}
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,12 +56,14 @@ from sglang.bench_plot import import_pyplot  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from sgl_kernel.fp8_gemm import (  # noqa: E402
-    Fp8GemmConfig, fixed_gemm_config, fp8_block_linear, fp8_block_linear_ref, get_gemm_config)
-from sgl_kernel.fp8_quant import block_dequant  # noqa: E402
+    Fp8GemmConfig, fixed_gemm_config, fp8_block_gemm, fp8_block_linear, fp8_block_linear_ref, get_gemm_config,
+    heuristic_gemm_config)
+from sgl_kernel.fp8_quant import block_dequant, per_token_group_quant_fp8  # noqa: E402
 from timing import cuda_graph, median_ms  # noqa: E402
 
 BLOCK = (128, 128)
 FP8 = torch.float8_e4m3fn
+CEILINGS: dict = {}  # (N, K, M) -> (torch._scaled_mm ms, bf16 matmul ms)
 
 
 def dummy_fp8_weight(n: int, k: int, device: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,8 +108,8 @@ def run(name: str, n: int, k: int, m: int, device: str, gen, copy: float, cfg: F
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     fn = lambda: fp8_block_linear(x, w, s, BLOCK, config=cfg)  # noqa: E731
     ms = median_ms(fn, device, ARGS.repeats)
-    row = dict(shape=name, n=n, k=k, m=m, config=list(vars(cfg or get_gemm_config(m, n, k, BLOCK)).values()),
-               rel_err=err, ms=ms)
+    used = cfg or get_gemm_config(m, n, k, BLOCK, device)
+    row = dict(shape=name, n=n, k=k, m=m, config=list(vars(used).values()), rel_err=err, ms=ms)
     if m <= 64:
         row["graph_ms"], row["graph_equals_eager"] = graph_ms(fn, device)
     t = row.get("graph_ms") or ms
@@ -116,13 +117,21 @@ def run(name: str, n: int, k: int, m: int, device: str, gen, copy: float, cfg: F
     row["weight_gbps"] = wbytes / t / 1e6
     row["copy_frac"] = row["weight_gbps"] / copy
     row["tflops"] = 2 * m * n * k / t / 1e9
-    sm = scaled_mm_ms(m, n, k, device)
+    if (n, k, m) not in CEILINGS:  # once per case: the sweep's rows share them
+        wb = block_dequant(w, s, BLOCK, x.dtype)
+        CEILINGS[n, k, m] = scaled_mm_ms(m, n, k, device), median_ms(lambda: x @ wb.t(), device, ARGS.repeats)
+        del wb
+    sm, row["bf16_matmul_ms"] = CEILINGS[n, k, m]
     if sm is not None:
         row["scaled_mm_ms"] = sm
         row["scaled_mm_tflops"] = 2 * max(m, 16) * n * k / sm / 1e9
         row["scaled_mm_frac"] = row["tflops"] / row["scaled_mm_tflops"]
-    wb = block_dequant(w, s, BLOCK, x.dtype)
-    row["bf16_matmul_ms"] = median_ms(lambda: x @ wb.t(), device, ARGS.repeats)
+    if used.prequant:
+        q, qs = per_token_group_quant_fp8(x, BLOCK[1])
+        row["gemm_only_ms"] = median_ms(lambda: fp8_block_gemm(q, qs, w, s, BLOCK, x.dtype, config=used), device,
+                                        ARGS.repeats)
+        if sm is not None:
+            row["gemm_only_scaled_mm_frac"] = 2 * m * n * k / row["gemm_only_ms"] / 1e9 / row["scaled_mm_tflops"]
     row["speedup_vs_bf16"] = row["bf16_matmul_ms"] / t
     return row
 
@@ -166,8 +175,8 @@ def main() -> int:
     rows = []
     jobs = [(s, m, None, False) for s in shapes for m in ms]
     if ARGS.sweep:
-        jobs += [(s, m, Fp8GemmConfig(*c), True) for s in shapes for m in ms
-                 for c in SWEEP["decode" if m <= 64 else "prefill"]]
+        jobs += [(s, m, c, tag) for s in shapes for m in ms
+                 for tag, c in (("heuristic", heuristic_gemm_config(m, s[1], s[2], BLOCK)), ("fixed", fixed_gemm_config(BLOCK)))]
     for (name, n, k), m, cfg, sweep in tqdm(jobs, desc="fp8 gemm"):
         row = run(name, n, k, m, device, gen, copy, cfg)
         row["sweep"] = sweep
@@ -181,13 +190,14 @@ def main() -> int:
     plot(result, stem.with_suffix(".png"))
     print(f"device {result['device']}, copy {copy:.0f} GB/s, batch invariant (fixed config) "
           f"{result['batch_invariant_fixed_config']}")
-    print(f"{'shape':16} {'M':>5} {'config':24} {'rel err':>8} {'ms':>8} {'graph':>8} {'wGB/s':>7} {'%copy':>6} "
-          f"{'TFLOP/s':>8} {'%smm':>6} {'x bf16':>6}")
+    print(f"{'shape':16} {'M':>5} {'config':34} {'rel err':>8} {'ms':>8} {'graph':>8} {'wGB/s':>7} {'%copy':>6} "
+          f"{'TFLOP/s':>8} {'%smm':>6} {'%smm-q':>6} {'x bf16':>6}")
     for r in rows:
-        print(f"{r['shape']:16} {r['m']:5d} {str(r['config']):24} {r['rel_err']:8.1e} {r['ms']:8.4f} "
+        print(f"{r['shape']:16} {r['m']:5d} {str(r['config']):34} {r['rel_err']:8.1e} {r['ms']:8.4f} "
               f"{r.get('graph_ms') or float('nan'):8.4f} {r['weight_gbps']:7.0f} {100 * r['copy_frac']:6.1f} "
               f"{r['tflops']:8.1f} {100 * (r.get('scaled_mm_frac') or float('nan')):6.1f} "
-              f"{r['speedup_vs_bf16']:6.2f}{'  (sweep)' if r['sweep'] else ''}")
+              f"{100 * (r.get('gemm_only_scaled_mm_frac') or float('nan')):6.1f} "
+              f"{r['speedup_vs_bf16']:6.2f}{'  (' + r['sweep'] + ')' if r['sweep'] else ''}")
     ok = result["batch_invariant_fixed_config"] and all(r["rel_err"] < 2e-2 for r in rows)
     ok = ok and all(r.get("graph_equals_eager", True) is not False for r in rows)
     return 0 if ok else 1

@@ -113,7 +113,8 @@ def run(t: int, shape: dict, w: dict, device: str, gen, copy: float) -> dict:
     row = dict(tokens=t, fp8_rel_err=rel(fp8_fn()[:n_chk], ref),
                bf16_rel_err=rel(bf16_fn()[:n_chk], moe.fused_experts_ref(x[:n_chk], w["b13"], w["b2"], tw[:n_chk],
                                                                          ids[:n_chk], 0)),
-               fp8_config=list(vars(get_fp8_moe_config(t, shape["top_k"], shape["experts"], BLOCK)).values()))
+               fp8_config=list(vars(get_fp8_moe_config(t, shape["top_k"], shape["experts"], BLOCK, shape["hidden"],
+                                                       shape["inter"], device)).values()))
     f8, row["fp8_graph_equals_eager"] = graphed(fp8_fn, device)
     b16, row["bf16_graph_equals_eager"] = graphed(bf16_fn, device)
     f8_ms, b16_ms = [], []

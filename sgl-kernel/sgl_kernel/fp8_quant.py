@@ -6,8 +6,9 @@
 G is the weight's K block (128 in the checkpoints), so one activation scale meets one weight scale per
 K block of the block-scaled GEMM. The kernel divides with `tl.div_rn` (the default `/` is approximate on
 the GPU) so its bytes equal the twin's on every device. A row's values depend only on the row: batch
-invariant by construction; no host syncs (graph-capturable). The GEMM (fp8_gemm) can run the same
-formula in its prologue instead (`QUANT_A`), with the same bytes.
+invariant by construction; no host syncs (graph-capturable). The same formula also runs in the GEMM's
+prologue at decode M (fp8_gemm, A_MODE 1) and in the fused MoE's gate-up epilogue (fp8_moe, on the
+SiLU-and-mul output rounded to the hidden dtype), with the same bytes (tested).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ TRITON_INTERPRET=1 (test/conftest.py) at tiny shapes; SGLANG_TEST_DEVICE=cuda ru
 Tolerances: the activation quant is byte-exact (same formula, IEEE division, round to nearest even).
 The GEMMs sum the same products in another order (per K block, then scaled, vs one fp32 matmul of
 dequantised operands): fp32 rounding, relative error <= 1e-5 (measured ~2e-7); with bf16 x the W8A16
-output is rounded to bf16 once, <= 2^-8 relative. Cost: ~25 s on an idle 2-core CPU.
+output is rounded to bf16 once, <= 2^-8 relative. Exact (torch.equal): W8A8 with the activations
+quantised once vs in the GEMM prologue, and the MoE's intermediate quantised in the gate-up epilogue
+vs by its own launch (one formula, the same arithmetic after). Cost: ~40 s on an idle 2-core CPU.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import pytest
 import torch
 
 from sgl_kernel import moe as moe_mod
-from sgl_kernel.fp8_gemm import Fp8GemmConfig, fixed_gemm_config, fp8_block_linear, fp8_block_linear_ref, get_gemm_config
-from sgl_kernel.fp8_moe import fixed_fp8_moe_config, fused_experts_fp8
+from sgl_kernel import fp8_moe as fp8_moe_mod, fp8_tables
+from sgl_kernel.fp8_gemm import (Fp8GemmConfig, fixed_gemm_config, fp8_block_gemm, fp8_block_linear,
+                                 fp8_block_linear_ref, get_gemm_config, heuristic_gemm_config)
+from sgl_kernel.fp8_moe import Fp8MoEConfig, fixed_fp8_moe_config, fused_experts_fp8, get_fp8_moe_config
 from sgl_kernel.fp8_quant import per_token_group_quant_fp8, per_token_group_quant_fp8_ref
 
 from sglang.srt.layers.moe.fused_moe_native import fused_experts_fp8_native
@@ -61,7 +65,8 @@ def test_block_gemm_matches_twin(m, n, k):
     q, s = _fp8_weight(n, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     bias = torch.randn(n).to(DEVICE)
-    configs = [None, Fp8GemmConfig(16, 64, split_k=2, group_m=1), fixed_gemm_config(BLOCK)]
+    configs = [None, Fp8GemmConfig(16, 64, split_k=2, group_m=1), Fp8GemmConfig(16, 64, split_k=3, prequant=False),
+               Fp8GemmConfig(64, 64, group_m=2, tma=True), fixed_gemm_config(BLOCK)]  # tma: descriptor loads
     for fp8_act in (True, False):
         ref = fp8_block_linear_ref(x, q, s, BLOCK, bias, fp8_act)
         for cfg in configs:
@@ -70,6 +75,47 @@ def test_block_gemm_matches_twin(m, n, k):
     xb = x.bfloat16()
     assert _rel(fp8_block_linear(xb, q, s, BLOCK, None, False), fp8_block_linear_ref(xb, q, s, BLOCK, None, False)) < 2**-8
     assert fp8_block_linear(x[:0], q, s, BLOCK).shape == (0, n)
+
+
+@pytest.mark.parametrize("m,n,k", [(20, 200, 256), (3, 80, 160)])  # even K (no masks) and a partial K block
+def test_prequant_equals_prologue_bit_for_bit(m, n, k):
+    """W8A8's two ways to the activation codes (quantise once, or per tile in the GEMM prologue) use one
+    formula and the same arithmetic after: equal outputs, bit for bit, at every config; so does
+    fp8_block_gemm on codes quantised by the caller."""
+    from sgl_kernel.fp8_quant import per_token_group_quant_fp8
+
+    q, s = _fp8_weight(n, k, seed=7)
+    g = torch.Generator().manual_seed(8)
+    bias = torch.randn(n, generator=g).to(DEVICE)
+    for dt in (torch.float32, torch.bfloat16):
+        x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 1, m)[:, None]).to(dt).to(DEVICE)
+        for tile in ((16, 64, 1, 1), (16, 64, 2, 1), (64, 128, 1, 8)):
+            pre = fp8_block_linear(x, q, s, BLOCK, bias, config=Fp8GemmConfig(*tile, prequant=True))
+            pro = fp8_block_linear(x, q, s, BLOCK, bias, config=Fp8GemmConfig(*tile, prequant=False))
+            assert torch.equal(pre, pro), (dt, tile)
+            given = fp8_block_gemm(*per_token_group_quant_fp8(x, BLOCK[1]), q, s, BLOCK, dt, bias,
+                                   config=Fp8GemmConfig(*tile))
+            assert torch.equal(given, pre), (dt, tile)
+    with pytest.raises(ValueError, match="tma"):
+        Fp8GemmConfig(64, 64, split_k=2, tma=True)
+    with pytest.raises(ValueError, match="codes"):
+        fp8_block_gemm(x, torch.ones(m, 2, device=DEVICE), q, s, BLOCK, x.dtype)
+
+
+def test_block_gemm_tile_wider_than_the_weight_block():
+    """BLOCK_N 128 over 64-row weight blocks: two weight scales per tile (the outer-product promotion;
+    narrower tiles take one scale per K step)."""
+    block = (64, 128)
+    g = torch.Generator().manual_seed(13)
+    q, s = quantize_fp8_block(torch.randn(200, 256, generator=g) * 0.05 * (2.0 ** torch.rand(200, 1, generator=g)),
+                              block)
+    q, s = q.to(DEVICE), s.to(DEVICE)
+    x = torch.randn(20, 256, generator=g).to(DEVICE)
+    for fp8_act in (True, False):
+        ref = fp8_block_linear_ref(x, q, s, block, None, fp8_act)
+        for cfg in (Fp8GemmConfig(16, 128, 2, 1), Fp8GemmConfig(32, 128, prequant=False), Fp8GemmConfig(32, 128, tma=True)):
+            out = fp8_block_linear(x, q, s, block, None, fp8_act, config=cfg)
+            assert _rel(out, ref) < (FP8_DOT_REL if fp8_act else FP32_REL), (fp8_act, cfg)
 
 
 def test_block_gemm_fixed_config_is_batch_invariant():
@@ -84,8 +130,10 @@ def test_block_gemm_fixed_config_is_batch_invariant():
 
 def test_gemm_configs_decode_and_prefill():
     dec = get_gemm_config(1, 7168, 2048, BLOCK)
-    assert dec.block_m == 16 and dec.split_k > 1  # memory bound: split K to stream the weight
-    assert get_gemm_config(4096, 7168, 2048, BLOCK).block_m == 128 and get_gemm_config(4096, 7168, 2048, BLOCK).split_k == 1
+    assert dec.block_m == 16 and dec.split_k > 1 and not dec.prequant  # memory bound: split K, prologue quant
+    pre = get_gemm_config(4096, 7168, 2048, BLOCK)
+    assert pre.block_m == 128 and pre.split_k == 1 and pre.prequant  # activations quantised once
+    assert fixed_gemm_config(BLOCK).prequant and fixed_gemm_config(BLOCK).split_k == 1
     q, s = _fp8_weight(64, 128, seed=4)
     with pytest.raises(ValueError, match="scale"):
         fp8_block_linear(torch.zeros(2, 128, device=DEVICE), q, s[:, :0], BLOCK)
@@ -109,10 +157,15 @@ def test_fused_moe_fp8_matches_twin(monkeypatch, expert_offset):
     x = torch.randn(9, 160, generator=g).to(DEVICE)
     ids = torch.randint(0, 6, (9, 2), generator=g).to(DEVICE)
     tw = torch.rand(9, 2, generator=g).to(DEVICE)
+    # the heuristic (gate-up tile = one K block: quant fused in its epilogue), a 64-wide gate-up tile
+    # (the intermediate quantised by its own launch) with 32-row blocks, a down tile over two weight blocks
+    configs = [None, Fp8MoEConfig(block_m=32, up_n=64, up_warps=4, up_stages=2, down_n=64, group_m=2),
+               Fp8MoEConfig(block_m=16, up_n=128, down_n=256, down_stages=2)]
     for fp8_act in (True, False):
         ref = fused_experts_fp8_native(x, w13, s13, w2, s2, tw, ids, expert_offset, BLOCK, fp8_act)
-        out = fused_experts_fp8(x, w13, s13, w2, s2, tw, ids, expert_offset, BLOCK, fp8_act)
-        assert not out.isnan().any() and _rel(out, ref) < (FP8_DOT_REL if fp8_act else FP32_REL), fp8_act
+        for cfg in configs:
+            out = fused_experts_fp8(x, w13, s13, w2, s2, tw, ids, expert_offset, BLOCK, fp8_act, config=cfg)
+            assert not out.isnan().any() and _rel(out, ref) < (FP8_DOT_REL if fp8_act else FP32_REL), (fp8_act, cfg)
     cfg = fixed_fp8_moe_config(BLOCK)
     full = fused_experts_fp8(x, w13, s13, w2, s2, tw, ids, expert_offset, BLOCK, config=cfg)
     assert torch.equal(fused_experts_fp8(x[:3], w13, s13, w2, s2, tw[:3], ids[:3], expert_offset, BLOCK, config=cfg),
@@ -121,9 +174,65 @@ def test_fused_moe_fp8_matches_twin(monkeypatch, expert_offset):
         fused_experts_fp8(x, w13, s13, w2, s2[:, :1], tw, ids, expert_offset, BLOCK)
 
 
-def test_fp8_model_with_triton_kernels_equals_twins(builtin_path, monkeypatch):
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
+def test_fused_intermediate_quant_equals_separate_quant(dt):
+    """The gate-up epilogue's fp8 codes + scales of SiLU(g)*u are the bytes per_token_group_quant_fp8
+    gives on the intermediate rounded to the hidden dtype (what the twin quantises), on every row."""
+    from sgl_kernel.fp8_quant import per_token_group_quant_fp8
+    from sgl_kernel.moe import moe_align_block_size
+
+    w13, s13, _, _ = _experts(3, 256, 256, seed=9)
+    g = torch.Generator().manual_seed(10)
+    x = (torch.randn(7, 256, generator=g) * 3).to(dt).to(DEVICE)
+    ids = torch.randint(0, 3, (7, 2), generator=g).to(DEVICE)
+    cfg = Fp8MoEConfig(block_m=16, up_n=128)
+    route = (*moe_align_block_size(ids, 3, cfg.block_m), 2)
+    a, a_s = per_token_group_quant_fp8(x, BLOCK[1])
+    fq, fs = fp8_moe_mod.gate_up_stage(a, a_s, dt, w13, s13, route, BLOCK, cfg)
+    sq, ss = fp8_moe_mod.gate_up_stage(a, a_s, dt, w13, s13, route, BLOCK, cfg, fuse_quant=False)
+    assert fs.shape == (14, 2) and fq.dtype == torch.float8_e4m3fn
+    assert torch.equal(fq.view(torch.uint8), sq.view(torch.uint8)) and torch.equal(fs, ss)
+    assert fq.float().abs().amax(dim=1).eq(448).all()  # real values: each row's group max maps to 448
+
+
+def test_config_tables_are_read_for_the_device(tmp_path, monkeypatch):
+    """A tuned table (tune_fp8.py's format) is used for its shapes at the nearest M bucket (log scale);
+    other shapes, and block sizes other than 128 x 128, fall back to the heuristic."""
+    import json
+
+    gemm = {"N=200,K=256": {"1": Fp8GemmConfig(16, 32, 2, 1, 4, 5, False).to_json(),
+                            "64": Fp8GemmConfig(32, 64, 1, 4, 4, 2, True).to_json()}}
+    moe = {"E=4,H=160,I=128,k=2": {"9": Fp8MoEConfig(32, 64, 4, 2, 64, 4, 2, 2).to_json()}}
+    dev = fp8_tables.device_name(DEVICE)
+    (tmp_path / fp8_tables.table_file("fp8_gemm", dev)).write_text(json.dumps({"configs": gemm}))
+    (tmp_path / fp8_tables.table_file("fp8_moe", dev)).write_text(json.dumps({"configs": moe}))
+    monkeypatch.setenv(fp8_tables.CONFIG_DIR_ENV, str(tmp_path))
+    fp8_tables.clear_cache()
+    try:
+        assert get_gemm_config(3, 200, 256, BLOCK, DEVICE) == Fp8GemmConfig(16, 32, 2, 1, 4, 5, False)
+        assert get_gemm_config(40, 200, 256, BLOCK, DEVICE) == Fp8GemmConfig(32, 64, 1, 4, 4, 2, True)
+        assert get_gemm_config(40, 208, 256, BLOCK, DEVICE) == heuristic_gemm_config(40, 208, 256, BLOCK)
+        assert get_gemm_config(40, 200, 256, (128, 64), DEVICE) == heuristic_gemm_config(40, 200, 256, (128, 64))
+        assert get_fp8_moe_config(1, 2, 4, BLOCK, 160, 128, DEVICE) == Fp8MoEConfig(32, 64, 4, 2, 64, 4, 2, 2)
+        q, s = _fp8_weight(200, 256, seed=11)
+        x = torch.randn(3, 256, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+        assert _rel(fp8_block_linear(x, q, s, BLOCK), fp8_block_linear_ref(x, q, s, BLOCK)) < FP8_DOT_REL
+    finally:
+        monkeypatch.delenv(fp8_tables.CONFIG_DIR_ENV)
+        fp8_tables.clear_cache()
+
+
+@pytest.mark.parametrize("act", ["model_dtype", "fp8_e4m3"])
+def test_fp8_model_with_triton_kernels_equals_twins(builtin_path, monkeypatch, act):
     """Feature on vs off: the FP8 tiny model through the Triton GEMM + FP8 fused MoE (interpreter on CPU)
-    gives the logits of the torch twins (fp32: the kernels' K-blocked sums, ~1e-6 relative)."""
+    gives the logits of the torch twins.
+
+    W8A16 (activations in fp32): the kernels' K-blocked sums vs the twins' matmuls, ~1e-6 relative
+    (bound 1e-4). W8A8: every call equals its twin to fp32 rounding (the tests above), but the next
+    layer re-quantises its input to e4m3, a step function: an fp32-ulp difference that lands on a
+    rounding boundary moves that element by one e4m3 step (2^-4 relative), and such flips compound
+    over the layers (2e-2 measured on CPU after an arithmetic-order change, 5e-7 before it). Bound:
+    2^-4 relative -- a wrong scale, tile or row in any kernel is an O(1) error."""
     from sglang.srt.entrypoints.engine import Engine
     from sglang.srt.layers.quantization import fp8_utils
     from sglang.srt.testing.runner_utils import prefill_all_logits
@@ -145,10 +254,10 @@ def test_fp8_model_with_triton_kernels_equals_twins(builtin_path, monkeypatch):
     for tag, on in (("twin", False), ("triton", True)):
         monkeypatch.setattr(fp8_utils, "use_fp8_kernels", lambda device, on=on: on)  # either path on any device
         e = Engine(model_path=path, dtype="float32", device=DEVICE, max_total_tokens=1024, nsa_index_k_dtype="float32",
-                   random_seed=0, moe_runner_backend="triton" if on else "torch")
+                   random_seed=0, moe_runner_backend="triton" if on else "torch", fp8_activation_dtype=act)
         try:
             out[tag] = torch.cat(prefill_all_logits(e.scheduler.tp_worker.model_runner, prompt))
         finally:
             e.shutdown()
         assert (calls["gemm"] > 0 and calls["moe"] > 0) == on, calls  # the path under test really ran
-    assert _rel(out["triton"], out["twin"]) < 1e-4
+    assert _rel(out["triton"], out["twin"]) < (1e-4 if act == "model_dtype" else 2**-4)

@@ -50,7 +50,7 @@ def poison_padding_rows(forward_batch, *tensors: torch.Tensor | None) -> None:
     """Fill the dummy rows of the given [rows, hidden] tensors (None entries skipped) of a CP rank's
     share with POISON_VALUE, counted as "poisoned_rows" in the CP comm counter (tests read it); a
     batch without CP metadata is left alone."""
-    cp = forward_batch.cp_metadata
+    cp = forward_batch.cp.metadata
     if cp is None:
         return
     for x in tensors:

@@ -232,7 +232,7 @@ def _plan_blocks(fb, block: int) -> list[_Block]:
     else:
         req = torch.repeat_interleave(torch.arange(fb.batch_size), torch.tensor(fb.extend_seq_lens_cpu))
     valid = torch.arange(ids.numel())
-    cp = getattr(fb, "cp_metadata", None)
+    cp = fb.cp.metadata
     if cp is not None:
         valid = cp.valid_idx.detach().cpu().to(torch.int64)
     out = []

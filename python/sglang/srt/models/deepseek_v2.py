@@ -107,7 +107,7 @@ class DeepseekV2MoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, forward_batch: ForwardBatch | None = None) -> torch.Tensor:
-        cp = forward_batch.cp_metadata if forward_batch is not None else None
+        cp = forward_batch.cp.metadata if forward_batch is not None else None
         if cp is not None:
             # CP compute padding: valid rows are interleaved with dummy lane rows. Only valid rows
             # reach the gate, top-k and dispatch; the padded layout is restored afterwards.
@@ -347,7 +347,7 @@ class DeepseekV2ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         hidden_states, topk_indices = self.model(input_ids, positions, forward_batch)
-        cp = forward_batch.cp_metadata
+        cp = forward_batch.cp.metadata
         if cp is None:
             out = self.logits_processor(hidden_states, self.lm_head, forward_batch)
         elif self._should_use_narrow_output_path(cp.global_batch):

@@ -28,7 +28,7 @@ from sglang.srt.distributed.parallel_state import GroupCoordinator
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.nsa.utils import local_layout
 from sglang.srt.mem_cache.cp_page_map import page_owner, physical_page, physical_slots, split_request
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import CPBatchInfo, ForwardBatch, ForwardMode, SpecInput
 
 logger = logging.getLogger(__name__)
 # SGLANG_CP_DRAFT_SHARED_KV_DEBUG=1: log (and keep, for tests) per rank which pool each draft
@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 # local -- evidence that the draft KV is sharded like the target's. Read once: no cost when off.
 DRAFT_SHARED_KV_DEBUG = os.environ.get("SGLANG_CP_DRAFT_SHARED_KV_DEBUG", "0") == "1"
 DRAFT_KV_DEBUG_RECORDS: list[dict] = []
+
+
+class CPLayoutError(RuntimeError):
+    """A CP re-layout broke its own invariant (a page-aligned token on a rank that does not own its
+    page, a draft's local rows that are not the target's split): the KV would go to the wrong rank."""
 
 
 @dataclass
@@ -93,7 +98,7 @@ def build_cp_forward_batch(fb: ForwardBatch, req_to_token_cpu: torch.Tensor, gro
     token_ranks, aligned = [], True
     for i in range(b):
         s, e, pl = starts[i], fb.extend_seq_lens_cpu[i], fb.extend_prefix_lens_cpu[i]
-        if fb.cp_split_by_slot_owner:  # slots placed by another forward's split: follow its pages
+        if fb.cp.split_by_slot_owner:  # slots placed by another forward's split: follow its pages
             token_ranks.append(page_owner(loc[s : s + e] // ps, cp).tolist())
             continue
         prev = page_owner(int(loc[s]) // ps, cp) if e and pl % ps else None
@@ -113,8 +118,8 @@ def build_cp_forward_batch(fb: ForwardBatch, req_to_token_cpu: torch.Tensor, gro
     local_loc = torch.where(is_valid, loc[safe], 0)
     owner = page_owner(local_loc // ps, cp)
     if aligned and bool((owner[is_valid] != rank).any()):
-        raise AssertionError("CP page ownership check failed: a page-aligned split put a token on a "
-                             "rank that does not own its page")
+        raise CPLayoutError("CP page ownership check failed: a page-aligned split put a token on a "
+                            "rank that does not own its page")
     store_loc = torch.where(is_valid, physical_slots(local_loc, ps, cp), 0)
 
     # all-gathered rows (rank-major): global token index of each, for the fallbacks
@@ -189,39 +194,42 @@ def build_cp_forward_batch(fb: ForwardBatch, req_to_token_cpu: torch.Tensor, gro
         gathered_store_loc=d_gstore if gathered_store_loc is not None else None, full_gather_idx=d_full,
         last_local_row=d_last_row, last_owner=d_last_owner, send_pages=d_send, view_dst=d_view_dst,
         num_view_pages=n_view, view_fb=view_fb, counter=counter)
-    local = ForwardBatch(req_pool_indices=fb.req_pool_indices, out_cache_loc=d_store, cp_metadata=md,
+    local = ForwardBatch(req_pool_indices=fb.req_pool_indices, out_cache_loc=d_store, cp=CPBatchInfo(metadata=md),
                          req_to_token_pool=fb.req_to_token_pool, token_to_kv_pool=fb.token_to_kv_pool,
                          attn_backend=fb.attn_backend, **common)
-    if fb.spec_hidden_states is not None:
-        _local_spec_inputs(fb, local, safe, t_local, aligned, store_loc, is_valid, rank)
+    if fb.spec is not None:
+        local.spec = _local_spec_inputs(fb.spec, safe, t_local)
+        if DRAFT_SHARED_KV_DEBUG:
+            _record_draft_kv(fb, local, store_loc, is_valid, aligned, rank)
     return local
 
 
-def _local_spec_inputs(fb: ForwardBatch, local: ForwardBatch, safe_rows: torch.Tensor, t_local: int, aligned: bool,
-                       store_loc: torch.Tensor, is_valid: torch.Tensor, rank: int) -> None:
+def _local_spec_inputs(spec: SpecInput, safe_rows: torch.Tensor, t_local: int) -> SpecInput:
     """The NextN draft's inputs in this rank's layout. Hidden states / top-k already in it (the
     target's FULL_LOCAL capture of the same batch: same split, same rows) are used as they are --
     the prefill path, where no rank materialises the full hidden states; inputs in the scheduler's
     order (decode steps, a verify's accepted rows: a few rows per request) are sliced locally."""
-    if fb.spec_rows_local:
-        if fb.spec_hidden_states.shape[0] != t_local:
-            raise AssertionError(f"CP draft extend: {fb.spec_hidden_states.shape[0]} local hidden rows for a "
-                                 f"layout of {t_local} (the draft's split must equal the target's)")
-        local.spec_hidden_states, local.spec_topk_indices = fb.spec_hidden_states, fb.spec_topk_indices
-    else:
-        idx = safe_rows.to(fb.spec_hidden_states.device, non_blocking=True)
-        local.spec_hidden_states = fb.spec_hidden_states[idx]
-        local.spec_topk_indices = fb.spec_topk_indices[idx] if fb.spec_topk_indices is not None else None
-    local.spec_rows_local = True
-    if DRAFT_SHARED_KV_DEBUG:
-        pool = fb.token_to_kv_pool
-        pages = torch.unique(store_loc[is_valid] // pool.page_size).tolist()
-        rec = dict(rank=rank, pool=f"{type(pool).__name__}@{id(pool):x}", pool_layers=pool.layer_num,
-                   pool_slots=pool.size, local_rows=t_local, valid_rows=int(is_valid.sum()),
-                   hidden_rows=int(local.spec_hidden_states.shape[0]), hidden_local_input=bool(fb.spec_rows_local),
-                   direct_local_writes=aligned, physical_pages=pages)
-        DRAFT_KV_DEBUG_RECORDS.append(rec)
-        logger.info("CP draft shared KV: %s", rec)
+    if spec.rows_local:
+        if spec.hidden_states.shape[0] != t_local:
+            raise CPLayoutError(f"CP draft extend: {spec.hidden_states.shape[0]} local hidden rows for a "
+                                f"layout of {t_local} (the draft's split must equal the target's)")
+        return SpecInput(spec.hidden_states, spec.topk_indices, rows_local=True)
+    idx = safe_rows.to(spec.hidden_states.device, non_blocking=True)
+    topk = spec.topk_indices[idx] if spec.topk_indices is not None else None
+    return SpecInput(spec.hidden_states[idx], topk, rows_local=True)
+
+
+def _record_draft_kv(fb: ForwardBatch, local: ForwardBatch, store_loc: torch.Tensor, is_valid: torch.Tensor,
+                     aligned: bool, rank: int) -> None:
+    """SGLANG_CP_DRAFT_SHARED_KV_DEBUG: which pool and physical pages a draft forward writes."""
+    pool = fb.token_to_kv_pool
+    pages = torch.unique(store_loc[is_valid] // pool.page_size).tolist()
+    rec = dict(rank=rank, pool=f"{type(pool).__name__}@{id(pool):x}", pool_layers=pool.layer_num,
+               pool_slots=pool.size, local_rows=local.num_tokens, valid_rows=int(is_valid.sum()),
+               hidden_rows=int(local.spec.hidden_states.shape[0]), hidden_local_input=bool(fb.spec.rows_local),
+               direct_local_writes=aligned, physical_pages=pages)
+    DRAFT_KV_DEBUG_RECORDS.append(rec)
+    logger.info("CP draft shared KV: %s", rec)
 
 
 class NSAContextParallelBackend(AttentionBackend):
@@ -234,7 +242,7 @@ class NSAContextParallelBackend(AttentionBackend):
         self.inner, self.pool = inner, pool
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        md: CPMetadata = forward_batch.cp_metadata
+        md: CPMetadata = forward_batch.cp.metadata
         md.view_fb.attn_backend = self.inner
         self.inner.init_forward_metadata(md.view_fb)
         forward_batch.attn_metadata = md
@@ -247,7 +255,7 @@ class NSAContextParallelBackend(AttentionBackend):
         return (md.gathered_store_loc, *[md.all_gather_rows(r, kind) for r in rows])
 
     def store_index_k(self, layer_id: int, k: torch.Tensor, forward_batch: ForwardBatch) -> None:
-        md: CPMetadata = forward_batch.cp_metadata
+        md: CPMetadata = forward_batch.cp.metadata
         loc, k_rows = self._store_rows(md, "store_index_k", k)
         store_fb = dataclasses.replace(md.view_fb, out_cache_loc=loc, token_to_kv_pool=self.pool)
         self.inner.store_index_k(layer_id, k_rows, store_fb)
@@ -272,7 +280,7 @@ class NSAContextParallelBackend(AttentionBackend):
     # -- attention / indexer ----------------------------------------------------------------------
     def forward_mla(self, q_nope, q_rope, latent, k_rope, layer, forward_batch: ForwardBatch, topk_indices=None,
                     save_kv_cache: bool = True) -> torch.Tensor:
-        md: CPMetadata = forward_batch.cp_metadata
+        md: CPMetadata = forward_batch.cp.metadata
         if save_kv_cache:
             loc, lat, rope = self._store_rows(md, "store_kv", latent, k_rope)
             self.pool.set_mla_kv_buffer(layer.layer_id, loc, lat, rope)
@@ -284,7 +292,7 @@ class NSAContextParallelBackend(AttentionBackend):
             md.view_fb.token_to_kv_pool = None  # the view is transient: freed after the layer
 
     def index_topk(self, indexer, q: torch.Tensor, weights: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        md: CPMetadata = forward_batch.cp_metadata
+        md: CPMetadata = forward_batch.cp.metadata
         md.view_fb.token_to_kv_pool = self._index_view(md, indexer.layer_id)
         try:
             return self.inner.index_topk(indexer, q, weights, md.view_fb)

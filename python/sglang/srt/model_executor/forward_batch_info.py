@@ -65,7 +65,7 @@ class CPBatchInfo:
     of its KV page, for forwards over slots another forward's split placed (speculative: the draft's
     steps inside a verify's rows, one row of a verify allocation), which a fresh split of these rows
     could place differently. `metadata` is set by the CP backend's `prepare_batch` on the rank's
-    share (nsa.cp_backend.CPMetadata); None outside CP."""
+    share (nsa.cp_batch.CPMetadata); None outside CP."""
 
     split_by_slot_owner: bool = False
     metadata: Any = None

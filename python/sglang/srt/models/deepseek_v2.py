@@ -40,9 +40,8 @@ from sglang.srt.layers.moe.topk import TopKConfig, select_experts
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, rope_parameters_of, yarn_softmax_scale_multiplier
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from sglang.srt.layers.attention.nsa.cp_backend import cp_all_gather_hidden, cp_collect_last_token_hidden
 from sglang.srt.layers.moe.moe_registry import create_dispatcher
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import check_weights_complete
 
 logger = logging.getLogger(__name__)
@@ -107,15 +106,8 @@ class DeepseekV2MoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, forward_batch: ForwardBatch | None = None) -> torch.Tensor:
-        cp = forward_batch.cp.metadata if forward_batch is not None else None
-        if cp is not None:
-            # CP compute padding: valid rows are interleaved with dummy lane rows. Only valid rows
-            # reach the gate, top-k and dispatch; the padded layout is restored afterwards.
-            out = torch.zeros_like(hidden_states)
-            return out.index_copy_(0, cp.valid_idx, self._forward(hidden_states.index_select(0, cp.valid_idx)))
-        return self._forward(hidden_states)
-
-    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`forward_batch`: what a wrapper of the block reads (under CP the block gets only the valid
+        rows of the rank's compute-padded layout: nsa/cp_backend.install_moe_compaction)."""
         topk = select_experts(self.gate(hidden_states), self.topk_config, self.gate.e_score_correction_bias)
         out = self.experts(hidden_states, topk)
         if self.shared_experts is not None:
@@ -347,30 +339,8 @@ class DeepseekV2ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         hidden_states, topk_indices = self.model(input_ids, positions, forward_batch)
-        cp = forward_batch.cp.metadata
-        if cp is None:
-            out = self.logits_processor(hidden_states, self.lm_head, forward_batch)
-        elif self._should_use_narrow_output_path(cp.global_batch):
-            last = cp_collect_last_token_hidden(hidden_states, cp)
-            out = self.logits_processor(last, self.lm_head, cp.global_batch, pruned=True)
-            if forward_batch.capture_hidden_mode == CaptureHiddenMode.FULL_LOCAL:
-                out.hidden_states = hidden_states  # this rank's rows, in its CP layout
-        else:
-            out = self.logits_processor(cp_all_gather_hidden(hidden_states, cp), self.lm_head, cp.global_batch)
-            if topk_indices is not None and forward_batch.capture_hidden_mode == CaptureHiddenMode.FULL:
-                topk_indices = cp_all_gather_hidden(topk_indices, cp)  # in the order of the hidden states
-        if forward_batch.capture_hidden_mode in (CaptureHiddenMode.FULL, CaptureHiddenMode.FULL_LOCAL):
-            out.topk_indices = topk_indices
-        return out
-
-    @staticmethod
-    def _should_use_narrow_output_path(forward_batch: ForwardBatch) -> bool:
-        """Under CP only each request's last-token hidden state is gathered, unless something needs
-        every position: input logprobs, all logits, or full hidden-state capture (EAGLE draft extend)."""
-        wants_input_logprobs = forward_batch.return_logprob and forward_batch.forward_mode.is_extend() and any(
-            s >= 0 for s in forward_batch.logprob_start_lens_cpu)
-        return not (wants_input_logprobs or forward_batch.return_all_logits
-                    or forward_batch.capture_hidden_mode == CaptureHiddenMode.FULL)
+        # under CP the logits processor gathers the rows it needs (CPMetadata.logits_output)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch, topk_indices)
 
     # -- weights ------------------------------------------------------------------------------
     def _ignored_weight(self, name: str) -> bool:

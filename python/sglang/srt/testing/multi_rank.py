@@ -56,7 +56,7 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
     sa = ServerArgs(**kwargs).resolve()
     torch.manual_seed(0)
     sched = Scheduler(sa, tp_group=group or SINGLE_GROUP)
-    from sglang.srt.layers.attention.nsa.cp_backend import DRAFT_KV_DEBUG_RECORDS as debug_records
+    from sglang.srt.layers.attention.nsa.cp_batch import DRAFT_KV_DEBUG_RECORDS as debug_records
 
     n_debug_before = len(debug_records)  # SGLANG_CP_DRAFT_SHARED_KV_DEBUG records of this case only
     out: dict = {}
@@ -93,8 +93,8 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
         out.clear()
         step_s.clear()
         layer_ends.clear()
-        if sched.tp_worker.model_runner.cp_counter is not None:
-            sched.tp_worker.model_runner.cp_counter.elements.clear()
+        if sched.tp_worker.model_runner.attn_backend.comm_counter is not None:
+            sched.tp_worker.model_runner.attn_backend.comm_counter.elements.clear()
     submit(case.prompts, "p")
     drain()
     if case.followups:
@@ -103,22 +103,27 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
     for k, batch in enumerate(case.rounds):
         submit(batch, f"r{k}_")
         drain()
-    mr = sched.tp_worker.model_runner
     draft = sched.tp_worker.kv_pools().get("draft")
     if draft is not None:
         out["_draft"] = {"pool_slots": draft.size, "debug": debug_records[n_debug_before:],
                          "accept_length": sched.tp_worker.avg_accept_length}
-    out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s,
-                     "cached_tokens": sched.prefill_manager.num_cached_tokens,
-                     "cache_stats": dict(getattr(sched.tree_cache, "stats", {})), "layer_ends": layer_ends,
-                     "comm": dict(mr.cp_counter.elements)
-                     if mr.cp_counter is not None else {},
-                     "pool_slots": mr.token_to_kv_pool.size, "capacity": sched.max_total_num_tokens,
-                     # pages each rank stores now (the prefix cache keeps the finished requests' KV)
-                     "owned_pages": getattr(mr.token_to_kv_pool_allocator, "owned_pages", lambda: None)(),
-                     "dispatched": sum(getattr(m.experts.dispatcher, "elements_moved", 0)
-                                       for m in mr.model.modules() if hasattr(m, "experts"))}
+    out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s, "layer_ends": layer_ends,
+                     **_runner_stats(sched)}
     return out
+
+
+def _runner_stats(sched) -> dict:
+    """What a case reports of this rank's scheduler, model runner and pools after its requests."""
+    mr = sched.tp_worker.model_runner
+    counter = mr.attn_backend.comm_counter  # CP: the collectives' element counts
+    return {"cached_tokens": sched.prefill_manager.num_cached_tokens,
+            "cache_stats": dict(getattr(sched.tree_cache, "stats", {})),
+            "comm": dict(counter.elements) if counter is not None else {},
+            "pool_slots": mr.token_to_kv_pool.size, "capacity": sched.max_total_num_tokens,
+            # pages each rank stores now (the prefix cache keeps the finished requests' KV)
+            "owned_pages": getattr(mr.token_to_kv_pool_allocator, "owned_pages", lambda: None)(),
+            "dispatched": sum(getattr(m.experts.dispatcher, "elements_moved", 0)
+                              for m in mr.model.modules() if hasattr(m, "experts"))}
 
 
 def _worker(rank: int, world_size: int, port: int, cases: list[Case], queue) -> None:

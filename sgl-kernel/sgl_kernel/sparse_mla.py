@@ -40,6 +40,25 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_kv_rows(KV, KV_F32, KV_BF16, Q_LAT, Q_ROPE, slot, valid, offs_c, offs_r, cmask, rmask, stride_kv,
+                  C: tl.constexpr, FP8: tl.constexpr, SBLK: tl.constexpr, NSCALE: tl.constexpr):
+    """The latent and rope parts of the KV rows at `slot` (masked by `valid`), in the queries' dtypes."""
+    kmask = valid[:, None] & cmask[None, :]
+    if FP8:  # row = [C e4m3 | NSCALE fp32 | R bf16]; stride_kv in bytes (a multiple of 4)
+        row0 = slot[:, None] * stride_kv
+        raw = tl.load(KV + row0 + offs_c[None, :], mask=kmask, other=0)
+        sc = tl.load(KV_F32 + (row0 + C) // 4 + offs_c[None, :] // SBLK, mask=kmask, other=0.0)
+        k_lat = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(Q_LAT.dtype.element_ty)
+        k_rope = tl.load(KV_BF16 + (row0 + C + 4 * NSCALE) // 2 + offs_r[None, :],
+                         mask=valid[:, None] & rmask[None, :], other=0.0).to(Q_ROPE.dtype.element_ty)
+    else:
+        k_lat = tl.load(KV + slot[:, None] * stride_kv + offs_c[None, :], mask=kmask, other=0.0)
+        k_rope = tl.load(KV + slot[:, None] * stride_kv + C + offs_r[None, :],
+                         mask=valid[:, None] & rmask[None, :], other=0.0)
+    return k_lat, k_rope
+
+
+@triton.jit
 def _mla_fwd_kernel(
     Q_LAT, Q_ROPE, KV, KV_F32, KV_BF16, REQ_TO_TOKEN, REQ_POOL_IDX, TOKEN_TO_REQ, POSITIONS, TOPK, O, LSE,
     sm_scale_log2, num_heads, k_top,
@@ -94,18 +113,8 @@ def _mla_fwd_kernel(
             valid = in_range
             key_pos = offs_n
         slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + key_pos, mask=valid, other=0).to(tl.int64)
-        kmask = valid[:, None] & cmask[None, :]
-        if FP8:  # row = [C e4m3 | NSCALE fp32 | R bf16]; stride_kv in bytes (a multiple of 4)
-            row0 = slot[:, None] * stride_kv
-            raw = tl.load(KV + row0 + offs_c[None, :], mask=kmask, other=0)
-            sc = tl.load(KV_F32 + (row0 + C) // 4 + offs_c[None, :] // SBLK, mask=kmask, other=0.0)
-            k_lat = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(Q_LAT.dtype.element_ty)
-            k_rope = tl.load(KV_BF16 + (row0 + C + 4 * NSCALE) // 2 + offs_r[None, :],
-                             mask=valid[:, None] & rmask[None, :], other=0.0).to(Q_ROPE.dtype.element_ty)
-        else:
-            k_lat = tl.load(KV + slot[:, None] * stride_kv + offs_c[None, :], mask=kmask, other=0.0)
-            k_rope = tl.load(KV + slot[:, None] * stride_kv + C + offs_r[None, :],
-                             mask=valid[:, None] & rmask[None, :], other=0.0)
+        k_lat, k_rope = _load_kv_rows(KV, KV_F32, KV_BF16, Q_LAT, Q_ROPE, slot, valid, offs_c, offs_r, cmask, rmask,
+                                      stride_kv, C, FP8, SBLK, NSCALE)
         qk = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
         qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=PREC)
         qk = tl.where(valid[None, :], qk * sm_scale_log2, float("-inf"))

@@ -556,8 +556,8 @@ def test_transfer_runs_off_the_scheduler_thread(held_writes):
             toks[o.rid] += o.new_token_ids
         if started.is_set():
             break
-    assert started.wait(60) and p.pd_inflight
-    a = p.pd_inflight[rooms[0]].req
+    assert started.wait(60) and p.pd_sending
+    a = p.pd_sending[rooms[0]].req
     free_before = p.allocator.available_size()
     p.add_request(_req("x1", prompts[1], 6, rooms[1], port))
     d.add_request(_req("x1", prompts[1], 6, rooms[1], port))
@@ -565,9 +565,9 @@ def test_transfer_runs_off_the_scheduler_thread(held_writes):
         p.step()
         for o in d.step():
             toks[o.rid] += o.new_token_ids
-        if rooms[1] in p.pd_inflight or rooms[1] in p.pd_waiting:
+        if rooms[1] in p.pd_sending or rooms[1] in p.pd_waiting:
             break
-    assert rooms[0] in p.pd_inflight and a.req_pool_idx is not None  # A's pages are still held
+    assert rooms[0] in p.pd_sending and a.req_pool_idx is not None  # A's pages are still held
     assert p.allocator.available_size() < free_before  # B's prefill took pages of its own
     assert toks["x0"] == []  # the decode side has not committed A
     release.set()
@@ -600,10 +600,10 @@ def test_abort_during_a_write_frees_pages_only_after_it(held_writes):
     outs = d.abort_request("y0")
     assert outs[0].finished_reason["type"] == "abort"
     deadline = time.monotonic() + 60
-    while p.pd_inflight[room].abort is None and time.monotonic() < deadline:  # the AbortRoom arrives
+    while p.pd_sending[room].abort is None and time.monotonic() < deadline:  # the AbortRoom arrives
         p.step()  # the write still runs
         d.step()
-    f = p.pd_inflight[room]
+    f = p.pd_sending[room]
     assert f.abort is not None and f.req.req_pool_idx is not None
     assert room in d.pd_transfers  # decode keeps its pages: a late write must not land in reused ones
     release.set()
@@ -612,7 +612,7 @@ def test_abort_during_a_write_frees_pages_only_after_it(held_writes):
             break
         p.step()
         d.step()
-    assert not p.pd_inflight and not d.pd_transfers
+    assert not p.pd_sending and not d.pd_transfers
     assert p.get_stats().disaggregation["transfers"] == 0
     _no_leak(p, d)
 

@@ -218,7 +218,7 @@ def test_prefix_cache_lifecycle_hooks():
                 log.append(("prepare", id(batch)))
 
             def on_batch_done(self, batch):
-                assert all(r.inflight >= 0 for r in batch.reqs)
+                assert all(r.unprocessed_steps >= 0 for r in batch.reqs)
                 log.append(("done", id(batch)))
 
         with pytest.MonkeyPatch.context() as mp:  # the scheduler's managers share the cache it builds

@@ -1,8 +1,9 @@
 """ServerArgs: every flag, its default and its validation, in one place.
 
 Fields are grouped by concern; argparse is generated from the fields (defaults, help and
-choices are defined once, here). `validate()` runs one small validator per group and raises
-`ServerArgsError` naming the flag and the reason; `resolve()` fills the "auto" values before the
+choices are defined once, here). `validate()` runs one small validator per group (methods of the
+flag groups' mixins in `server_args_checks/`) and raises `ServerArgsError` naming the flag and the
+reason; `resolve()` fills the "auto" values before the
 runtime reads them (the resolved copy is what gets logged and passed on).
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -40,6 +40,14 @@ from sglang.srt.layers.quantization import FP8_ACTIVATION_DTYPES, QUANTIZATION_M
 from sglang.srt.constrained.grammar_registry import GRAMMAR_BACKENDS  # noqa: E402
 from sglang.srt.disaggregation import DISAGGREGATION_MODES, TRANSFER_BACKENDS  # noqa: E402
 from sglang.srt.mem_cache.storage.registry import PREFETCH_POLICIES, STORAGE_BACKEND_NAMES  # noqa: E402
+from sglang.srt.server_args_checks import (  # noqa: E402
+    DisaggregationChecks,
+    HiCacheChecks,
+    ModelChecks,
+    ParallelChecks,
+    ServingChecks,
+    SpeculativeChecks,
+)
 
 
 def _f(default: Any, help: str, group: str, choices: list | None = None, **extra: Any):
@@ -47,7 +55,7 @@ def _f(default: Any, help: str, group: str, choices: list | None = None, **extra
 
 
 @dataclass
-class ServerArgs:
+class ServerArgs(ModelChecks, ParallelChecks, ServingChecks, SpeculativeChecks, HiCacheChecks, DisaggregationChecks):
     # -- model ------------------------------------------------------------------------------
     model_path: str | None = _f(None, "HF model directory or builtin:NAME (tiny local model).", "model",
                                 required=True)
@@ -283,8 +291,12 @@ class ServerArgs:
         return cls(**kwargs)
 
     def validate(self) -> None:
-        for check in _VALIDATORS:
-            check(self)
+        """Every group's checks (server_args_checks/), in a fixed order: the first bad flag is the one named."""
+        for check in (self._check_model, self._check_runtime, self._check_parallel, self._check_memory,
+                      self._check_scheduling, self._check_http, self._check_api, self._check_logging,
+                      self._check_nsa, self._check_endpoints, self._check_speculative, self._check_hicache_storage,
+                      self._check_hicache, self._check_disaggregation):
+            check()
 
     def resolve(self) -> "ServerArgs":
         """A validated copy with every 'auto' / None default resolved."""
@@ -334,262 +346,6 @@ def _cli_type(annotation: Any) -> Callable:
     if "float" in text:
         return float
     return str
-
-
-# -- validators, one per group ----------------------------------------------------------------
-def _positive(args: ServerArgs, name: str, allow_none: bool = True) -> None:
-    v = getattr(args, name)
-    if v is None and allow_none:
-        return
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ServerArgsError(name, f"must be a positive integer, got {v!r}")
-
-
-def _choice(args: ServerArgs, name: str) -> None:
-    f = next(x for x in dataclasses.fields(ServerArgs) if x.name == name)
-    choices = f.metadata.get("choices")
-    if choices and getattr(args, name) not in choices:
-        raise ServerArgsError(name, f"{getattr(args, name)!r} is not one of {choices}")
-
-
-def _check_model(args: ServerArgs) -> None:
-    if not args.model_path:
-        raise ServerArgsError("model_path", "is required (an HF model directory or builtin:NAME)")
-    _choice(args, "dtype")
-    _choice(args, "load_format")
-    if args.quantization is not None:
-        _choice(args, "quantization")
-    if args.fp8_activation_dtype is not None:
-        _choice(args, "fp8_activation_dtype")
-    if args.dequantize_fp8_weights and args.quantization is not None:
-        raise ServerArgsError("dequantize_fp8_weights", f"conflicts with --quantization {args.quantization} (serve "
-                              "FP8 weights or dequantise them, not both)")
-    _positive(args, "context_length")
-    if args.json_model_override_args.strip():
-        try:
-            value = json.loads(args.json_model_override_args)
-        except json.JSONDecodeError as e:
-            raise ServerArgsError("json_model_override_args", f"not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ServerArgsError("json_model_override_args", "must be a JSON object")
-
-
-def _check_runtime(args: ServerArgs) -> None:
-    _choice(args, "device")
-    _positive(args, "tp_size", allow_none=False)
-    _positive(args, "cuda_graph_max_bs", allow_none=False)
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ServerArgsError("device", "cuda requested but no CUDA device is visible")
-    if args.random_seed is not None and (not isinstance(args.random_seed, int) or args.random_seed < 0):
-        raise ServerArgsError("random_seed", f"must be a non-negative integer, got {args.random_seed!r}")
-
-
-def _check_memory(args: ServerArgs) -> None:
-    if args.mem_fraction_static is not None and not 0.0 < args.mem_fraction_static < 1.0:
-        raise ServerArgsError("mem_fraction_static", f"must be in (0, 1), got {args.mem_fraction_static}")
-    _positive(args, "max_total_tokens")
-    _positive(args, "page_size")
-    _positive(args, "max_running_requests")
-    if args.page_size is not None and args.page_size & (args.page_size - 1):
-        raise ServerArgsError("page_size", f"must be a power of two, got {args.page_size}")
-    if args.max_total_tokens is not None and args.page_size and args.max_total_tokens < args.page_size:
-        raise ServerArgsError("max_total_tokens", f"must hold at least one page ({args.page_size} tokens)")
-
-
-def _check_scheduling(args: ServerArgs) -> None:
-    if args.chunked_prefill_size != -1 and args.chunked_prefill_size <= 0:
-        raise ServerArgsError("chunked_prefill_size", f"must be -1 (off) or positive, got {args.chunked_prefill_size}")
-    _positive(args, "max_prefill_tokens", allow_none=False)
-    _choice(args, "schedule_policy")
-
-
-def _check_http(args: ServerArgs) -> None:
-    if not 0 < args.port < 65536:
-        raise ServerArgsError("port", f"must be in 1..65535, got {args.port}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ServerArgsError("api_key", "must not be empty")
-    t = args.graceful_shutdown_timeout
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
-        raise ServerArgsError("graceful_shutdown_timeout", f"must be a finite number of seconds >= 0, got {t!r}")
-
-
-def _check_api(args: ServerArgs) -> None:
-    if args.chat_template is not None:
-        import os
-
-        if not os.path.isfile(args.chat_template):
-            raise ServerArgsError("chat_template", f"{args.chat_template!r} is not a file")
-    if args.reasoning_parser is not None:
-        from sglang.srt.parser.reasoning_parser import ReasoningParser
-
-        if args.reasoning_parser not in ReasoningParser.DetectorMap:
-            raise ServerArgsError("reasoning_parser", f"{args.reasoning_parser!r} is not one of "
-                                  f"{sorted(ReasoningParser.DetectorMap)}")
-    if args.tool_call_parser is not None:
-        from sglang.srt.function_call.function_call_parser import FunctionCallParser
-
-        names = FunctionCallParser.ToolCallParserEnum
-        if args.tool_call_parser not in names:
-            raise ServerArgsError("tool_call_parser", f"{args.tool_call_parser!r} is not one of {sorted(names)}")
-
-
-def _check_logging(args: ServerArgs) -> None:
-    _choice(args, "log_level")
-
-
-def _check_nsa(args: ServerArgs) -> None:
-    for name in ("nsa_index_k_dtype", "kv_cache_dtype", "nsa_prefill_backend", "nsa_decode_backend", "mla_attn_path",
-                 "moe_runner_backend"):
-        _choice(args, name)
-    _positive(args, "nsa_index_topk_freq")
-    _positive(args, "nsa_index_topk_offset")
-    if args.nsa_index_topk_pattern is not None:
-        bad = sorted(set(args.nsa_index_topk_pattern) - {"F", "S"})
-        if bad or not args.nsa_index_topk_pattern:
-            raise ServerArgsError("nsa_index_topk_pattern", f"must be a non-empty string of 'F' and 'S', got "
-                                  f"{args.nsa_index_topk_pattern!r}")
-        if args.nsa_index_topk_freq is not None:
-            raise ServerArgsError("nsa_index_topk_pattern", "conflicts with --nsa-index-topk-freq; give one schedule")
-
-
-def _check_parallel(args: ServerArgs) -> None:
-    for name in ("attn_cp_size", "ep_size", "nnodes", "dist_timeout"):
-        _positive(args, name, allow_none=False)
-    _choice(args, "nsa_prefill_cp_mode")
-    _choice(args, "moe_a2a_backend")
-    tp = args.tp_size
-    if args.enable_nsa_prefill_context_parallel:
-        if args.attn_cp_size != tp:
-            raise ServerArgsError("attn_cp_size", f"must equal --tp-size ({tp}) with context parallel "
-                                  f"(attention runs CP over all ranks), got {args.attn_cp_size}")
-        if args.enable_two_batch_overlap:
-            raise ServerArgsError("enable_two_batch_overlap", "is not supported with context parallel")
-        if args.hicache_storage_backend is not None and tp > 1:  # each rank's host tier holds its own pages
-            raise ServerArgsError("hicache_storage_backend", "is not supported with context parallel yet")
-    elif args.attn_cp_size != 1:
-        raise ServerArgsError("attn_cp_size", "needs --enable-nsa-prefill-context-parallel")
-    if args.ep_size not in (1, tp):
-        raise ServerArgsError("ep_size", f"must be 1 or --tp-size ({tp}), got {args.ep_size}")
-    if args.moe_a2a_backend == "deepep":
-        if args.ep_size == 1 or not args.enable_nsa_prefill_context_parallel:
-            raise ServerArgsError("moe_a2a_backend", "deepep dispatches tokens between expert-parallel ranks: "
-                                  "it needs --ep-size > 1 and --enable-nsa-prefill-context-parallel")
-        import importlib.util
-
-        if importlib.util.find_spec("deep_ep") is None:
-            raise ServerArgsError("moe_a2a_backend", "deepep needs the 'deep_ep' package, which is not installed "
-                                  "(build it from github.com/deepseek-ai/DeepEP, or use --moe-a2a-backend none)")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise ServerArgsError("node_rank", f"must be in [0, --nnodes {args.nnodes}), got {args.node_rank}")
-    if tp % args.nnodes:
-        raise ServerArgsError("nnodes", f"--tp-size {tp} must be a multiple of --nnodes {args.nnodes}")
-    if args.nnodes > 1:
-        host, _, port = (args.dist_init_addr or "").rpartition(":")
-        if not host or not port.isdigit():
-            raise ServerArgsError("dist_init_addr", f"needs host:port with --nnodes > 1, got {args.dist_init_addr!r}")
-
-
-_VALIDATORS = [_check_model, _check_runtime, _check_parallel, _check_memory, _check_scheduling, _check_http, _check_api,
-               _check_logging, _check_nsa]
-
-
-def _check_endpoints(args: ServerArgs) -> None:
-    _positive(args, "max_payload_size", allow_none=False)
-    _positive(args, "decode_log_interval", allow_none=False)
-
-
-_VALIDATORS.append(_check_endpoints)
-
-
-def _check_speculative(args: ServerArgs) -> None:
-    if args.speculative_algorithm is None:
-        for name in ("speculative_draft_model_path", "speculative_num_draft_tokens", "speculative_token_map"):
-            if getattr(args, name) is not None:
-                raise ServerArgsError(name, "needs --speculative-algorithm")
-        return
-    _choice(args, "speculative_algorithm")
-    _positive(args, "speculative_num_steps", allow_none=False)
-    _positive(args, "speculative_eagle_topk", allow_none=False)
-    if args.speculative_eagle_topk != 1:
-        raise ServerArgsError("speculative_eagle_topk", "only 1 (a draft chain) is supported: tree drafts need a "
-                              "tree attention mask, which this server does not implement")
-    n = args.speculative_num_draft_tokens
-    if n is not None and n != args.speculative_num_steps + 1:
-        raise ServerArgsError("speculative_num_draft_tokens", f"must be --speculative-num-steps + 1 "
-                              f"({args.speculative_num_steps + 1}) with --speculative-eagle-topk 1, got {n}")
-    if args.enable_mixed_chunk:
-        raise ServerArgsError("enable_mixed_chunk", "is not supported with --speculative-algorithm (a verify step "
-                              "computes several rows per decoding request)")
-    if args.speculative_token_map is not None and not os.path.isfile(args.speculative_token_map):
-        raise ServerArgsError("speculative_token_map", f"no such file: {args.speculative_token_map}")
-
-
-_VALIDATORS.append(_check_speculative)
-
-
-def _check_hicache_storage(args: ServerArgs) -> None:
-    from sglang.srt.mem_cache.storage.registry import StorageConfigError, validate_storage_args
-
-    try:
-        validate_storage_args(args.hicache_storage_backend, args.hicache_storage_backend_extra_config,
-                              args.hicache_storage_prefetch_policy, args.enable_hierarchical_cache)
-    except StorageConfigError as e:
-        raise ServerArgsError(e.flag, e.reason) from None
-
-
-_VALIDATORS.append(_check_hicache_storage)
-
-
-def _check_hicache(args: ServerArgs) -> None:
-    for name in ("hicache_write_policy", "hicache_io_backend", "hicache_mem_layout"):
-        _choice(args, name)
-    for name in ("hicache_ratio", "hicache_size"):
-        v = getattr(args, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-            raise ServerArgsError(name, f"must be a finite number >= 0, got {v!r}")
-    if not args.enable_hierarchical_cache:
-        return
-    if args.hicache_ratio <= 0 and args.hicache_size <= 0:
-        raise ServerArgsError("hicache_ratio", "must be > 0 (or give --hicache-size in GB)")
-    if args.disable_radix_cache:
-        raise ServerArgsError("enable_hierarchical_cache", "needs the radix cache (drop --disable-radix-cache)")
-    if args.hicache_io_backend == "kernel":
-        import torch
-
-        if args.device == "cpu" or not torch.cuda.is_available():
-            raise ServerArgsError("hicache_io_backend", "kernel is a GPU page-copy kernel (it reads pinned host "
-                                  "memory from the device); on CPU use --hicache-io-backend direct")
-
-
-_VALIDATORS.append(_check_hicache)
-
-
-def _check_disaggregation(args: ServerArgs) -> None:
-    _choice(args, "disaggregation_mode")
-    _choice(args, "disaggregation_transfer_backend")
-    port = args.disaggregation_bootstrap_port
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise ServerArgsError("disaggregation_bootstrap_port", f"must be in 1..65535, got {port!r}")
-    if args.disaggregation_mode == "null":
-        return
-    if args.disaggregation_transfer_backend == "mooncake":
-        from sglang.srt.disaggregation.transfer import mooncake_import_error
-
-        reason = mooncake_import_error()
-        if reason:
-            raise ServerArgsError("disaggregation_transfer_backend", reason)
-    if args.disaggregation_transfer_backend == "cuda_ipc":
-        import torch
-
-        if args.device == "cpu" or not torch.cuda.is_available():
-            raise ServerArgsError("disaggregation_transfer_backend", "cuda_ipc needs the KV pools on a CUDA GPU "
-                                  "(use mooncake on CPU machines)")
-
-
-_VALIDATORS.append(_check_disaggregation)
 
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:

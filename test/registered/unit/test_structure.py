@@ -123,7 +123,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("srt.model_loader.loader",),                        # builds a model class and loads its weights
     ("srt.disaggregation.__init__", "srt.disaggregation.transfer", "srt.disaggregation.kv_layout",
      "srt.disaggregation.messages", "srt.disaggregation.common"),  # PD's data plane
-    ("srt.server_args",),                                # flags: choices read from the registries below
+    ("srt.server_args", "srt.server_args_checks"),       # flags: choices read from the registries below
     ("srt.model_executor",),
     ("srt.managers",),
     ("srt.speculative",),
@@ -412,3 +412,72 @@ def test_null_backup_answers_every_hook_the_cache_calls():
     real = _class_methods(SRT / "managers" / "hicache_backup.py", "AsyncBackup")
     assert not (missing := {m: sorted(used - c) for m, c in (("NullBackup", null), ("AsyncBackup", real))
                             if used - c}), f"backup hooks without a definition: {missing}"
+
+
+# -- small modules, short functions (issue 32, target 5) -------------------------------------------
+KERNELS = PKG.parents[1] / "sgl-kernel" / "sgl_kernel"
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80  # `def` line to the last line of the body (decorators not counted)
+# Files another change of issue 32 (target 4: CP / debug code out of the model and runner) is
+# rewriting; the lead removes this list once both are merged. Nothing else may be added to it.
+SIZE_EXEMPT = ("srt/models/deepseek_v2.py", "srt/model_executor/model_runner.py",
+               "srt/model_executor/forward_batch_info.py", "srt/layers/attention/nsa/cp_backend.py",
+               "srt/debug/", "srt/layers/moe/token_dispatcher.py")
+
+
+def size_violations(source: str, max_module: int = MAX_MODULE_LINES,
+                    max_function: int = MAX_FUNCTION_LINES) -> list[str]:
+    """The module's length if over `max_module`, and every function (nested ones too) over `max_function`."""
+    out = []
+    if (n := len(source.splitlines())) > max_module:
+        out.append(f"{n} lines (> {max_module})")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if (n := node.end_lineno - node.lineno + 1) > max_function:
+                out.append(f"line {node.lineno}: {node.name}() has {n} lines (> {max_function})")
+    return out
+
+
+def _sized_files() -> list[tuple[str, Path]]:
+    files = [(str(p.relative_to(PKG)), p) for p in sorted(PKG.rglob("*.py"))]
+    files += [(f"sgl_kernel/{p.relative_to(KERNELS)}", p) for p in sorted(KERNELS.rglob("*.py"))]
+    return files
+
+
+def test_no_module_over_500_lines_no_function_over_80():
+    files = _sized_files()
+    assert len(files) > 100 and any(name.startswith("sgl_kernel/") for name, _ in files)
+    bad = {name: hits for name, p in files if not name.startswith(SIZE_EXEMPT)
+           and (hits := size_violations(p.read_text()))}
+    assert not bad, f"split these by concern (a module per group, a helper per step): {bad}"
+
+
+def test_size_scan_catches_long_modules_and_functions():
+    short = "def f():\n" + "    x = 1\n" * 3
+    assert not size_violations(short, max_module=10, max_function=4)
+    assert size_violations(short, max_module=3, max_function=4) == ["4 lines (> 3)"]
+    nested = "class A:\n    async def g(self):\n        def h():\n" + "            y = 2\n" * 5
+    assert size_violations(nested, max_module=100, max_function=5) == [
+        "line 2: g() has 7 lines (> 5)", "line 3: h() has 6 lines (> 5)"]
+
+
+# Names that meant several things or nothing (issue 32): a request's count of launched, unprocessed
+# steps is `Req.unprocessed_steps`; PD's sends are `pd_sending`; the index K's FP8 flag is
+# `index_k_fp8` beside the MLA KV's `kv_fp8`; PD's steps say what they do.
+RETIRED_NAMES = {  # area -> names
+    ("managers", "mem_cache", "disaggregation", "layers/attention"): {"inflight", "pd_inflight", "is_fp8"},
+    ("disaggregation",): {"_take_out", "_reap", "_progress", "_start", "_sent", "_forget"},
+}
+
+
+def test_retired_names_stay_retired():
+    bad = {}
+    for areas, names in RETIRED_NAMES.items():
+        for f in sorted(p for area in areas for p in (SRT / area).rglob("*.py")):
+            src = f.read_text()
+            hits = names_used(src, names)
+            hits += [f"line {n.lineno}: def {n.name}" for n in ast.walk(ast.parse(src))
+                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in names]
+            if hits:
+                bad[str(f.relative_to(SRT))] = hits
+    assert not bad, f"retired names are back (test_structure.RETIRED_NAMES says what replaced them): {bad}"

@@ -7,12 +7,12 @@ Life of a request with a `bootstrap_room` (upstream's order and names):
    even announced (`Handshake`) within the bootstrap timeout fails with 503.
 2. Waiting queue: admitted and prefilled like any request (the Register is validated first: a
    layout mismatch is refused before any compute, with a `Done` naming the field).
-3. Inflight (`pd_inflight`): `on_prefill_finished(req)` hands each CP rank's writes of only the
-   pages it owns (cp_page_map) to its transfer thread (which retries failed writes); when every
-   rank's writes have ended each sends `Done` with the first token (or the error), and the request
-   is released into the radix cache (later prompts hit it here; its pages are never reused while a
-   write reads them). The prefill's first token never finishes a request here: the decode server
-   applies the stop rules to it.
+3. Sending (`pd_sending`, upstream's inflight queue): `on_prefill_finished(req)` hands each CP
+   rank's writes of only the pages it owns (cp_page_map) to its transfer thread (which retries
+   failed writes); when every rank's writes have ended each sends `Done` with the first token (or
+   the error), and the request is released into the radix cache (later prompts hit it here; its
+   pages are never reused while a write reads them). The prefill's first token never finishes a
+   request here: the decode server applies the stop rules to it.
 Whenever this side drops a room (abort, failure, timeout) it tells the decode side at once, if it
 knows where (Handshake / Register), so the decode side frees its pages without waiting.
 
@@ -63,7 +63,9 @@ class _Timeout:
 
 
 @dataclass
-class _Inflight:
+class _KVSend:
+    """A prefilled request whose KV this rank's transfer thread writes to the decode side."""
+
     req: Req
     reg: Register
     task: TransferTask
@@ -97,19 +99,19 @@ class PrefillScheduler(Scheduler):
         self.pd_rooms: dict[int, Req] = {}  # every live request with a room
         self.bootstrap_queue: dict[int, tuple[Req, float]] = {}  # waiting for Register (no KV held), arrival
         self.pd_waiting: dict[int, Req] = {}  # prefilled, its transfer starts this iteration
-        self.pd_inflight: dict[int, _Inflight] = {}  # handed to the transfer thread (same order on every rank)
+        self.pd_sending: dict[int, _KVSend] = {}  # handed to the transfer thread (same order on every rank)
         self.pd_regs: dict[int, Register] = {}
         self.pd_peers: dict[int, tuple[str, float]] = {}  # room -> (decode notify address, first heard)
         self.pd_gone: dict[int, None] = {}  # rooms this side dropped: a late Register gets an error back
         self.pd_out: list[ReqOutput] = []
-        self.pd_transfers = self.pd_failed = 0
+        self.pd_num_sent = self.pd_num_failed = 0
 
     def wake_sources(self) -> list:
         return [self.bootstrap, self._wake_r] if self.bootstrap is not None else [self._wake_r]
 
     def stall_timeout_ms(self) -> int:
         # Other CP ranks' writes end without waking rank 0, whose loop waits: poll for them.
-        if self.pd_inflight and not self.group.is_single:
+        if self.pd_sending and not self.group.is_single:
             return 5
         return STALL_POLL_MS
 
@@ -135,12 +137,12 @@ class PrefillScheduler(Scheduler):
         for room, (req, _) in list(self.bootstrap_queue.items()):
             if req.rid == rid:
                 self._fail(room, req, "aborted by client", 400)
-                return self._take_out()
+                return self._pop_outputs()
         for room, req in list(self.pd_waiting.items()):
             if req.rid == rid:
                 self._fail(room, req, "aborted by client", 400)
-                return self._take_out()
-        for f in self.pd_inflight.values():
+                return self._pop_outputs()
+        for f in self.pd_sending.values():
             if f.req.rid == rid:  # a write cannot be recalled: fail it once every rank's write ended
                 f.abort = f.abort or ("aborted by client", 400)
                 return []
@@ -155,7 +157,7 @@ class PrefillScheduler(Scheduler):
         self.pd_waiting[room] = req
 
     def has_work(self) -> bool:
-        return super().has_work() or bool(self.bootstrap_queue or self.pd_waiting or self.pd_inflight)
+        return super().has_work() or bool(self.bootstrap_queue or self.pd_waiting or self.pd_sending)
 
     def get_next_batch_to_run(self):
         self._hold_new()  # requests whose grammar just compiled
@@ -200,12 +202,13 @@ class PrefillScheduler(Scheduler):
         events = self._poll_control()
         events += self._admit_registered()
         outs = super().step()
-        events += self._progress()
-        outs += self._take_out()
+        events += self._advance_sends()
+        outs += self._pop_outputs()
         self.last_step_progressed = self.last_step_progressed or bool(events or outs)
         return outs
 
-    def _take_out(self) -> list[ReqOutput]:
+    def _pop_outputs(self) -> list[ReqOutput]:
+        """The outputs of requests this side finished (sent, failed, aborted) since the last call."""
         outs, self.pd_out = self.pd_out, []
         return outs
 
@@ -242,7 +245,7 @@ class PrefillScheduler(Scheduler):
             elif isinstance(m, _Timeout):
                 self._on_timeout(m.room)
         for room in [r for r, q in self.pd_rooms.items() if q.finished() and r not in self.pd_waiting
-                     and r not in self.pd_inflight]:
+                     and r not in self.pd_sending]:
             req = self.pd_rooms.pop(room)  # finished before its KV was ready (abort, error)
             self._tell_decode(room, req.finished_reason.message if isinstance(req.finished_reason, FINISH_ABORT)
                               else "dropped", 503)
@@ -251,8 +254,8 @@ class PrefillScheduler(Scheduler):
 
     def _on_abort_room(self, room: int) -> None:
         req = self.pd_rooms.get(room)
-        if room in self.pd_inflight:
-            f = self.pd_inflight[room]
+        if room in self.pd_sending:
+            f = self.pd_sending[room]
             f.abort = f.abort or ("aborted on the decode server", 400)
         elif room in self.bootstrap_queue:
             self._fail(room, self.bootstrap_queue[room][0], "aborted on the decode server", 400)
@@ -289,16 +292,17 @@ class PrefillScheduler(Scheduler):
         while len(self.pd_gone) > 100_000:  # bounded: only late Registers need it
             del self.pd_gone[next(iter(self.pd_gone))]
 
-    def _progress(self) -> int:
+    def _advance_sends(self) -> int:
+        """Start the sends of this iteration's prefilled requests, end those no rank still writes."""
         events = len(self.pd_waiting)
         for room in list(self.pd_waiting):
-            self._start(room)
-        if self.pd_inflight:
-            events += self._reap()
+            self._send_kv(room)
+        if self.pd_sending:
+            events += self._end_finished_sends()
         return events
 
     # -- transfer -----------------------------------------------------------------------------------
-    def _start(self, room: int) -> None:
+    def _send_kv(self, room: int) -> None:
         """Hand this rank's writes of a prefilled request to the transfer thread."""
         req = self.pd_waiting.pop(room)
         reg = self.pd_regs.get(room)
@@ -316,7 +320,7 @@ class PrefillScheduler(Scheduler):
         task = TransferTask(room, reg.session_id, srcs, dsts, lens)
         try:
             self.pd.backend.connect(reg.session_id, reg.exported)
-        except TransferError as e:  # every rank fails it in the same iteration of _reap
+        except TransferError as e:  # every rank fails it in the same iteration (_end_finished_sends)
             task.error = str(e)
             task.done.set()
         else:
@@ -324,37 +328,38 @@ class PrefillScheduler(Scheduler):
                 task.ready = torch.cuda.current_stream().record_event()
             self.pd.worker.submit(task)
         self.pd.ops += len(lens)
-        self.pd_inflight[room] = _Inflight(req, reg, task, len(src_pages))
+        self.pd_sending[room] = _KVSend(req, reg, task, len(src_pages))
 
-    def _reap(self) -> int:
+    def _end_finished_sends(self) -> int:
         """End the transfers no rank still writes (the same rooms on every rank); how many ended."""
-        rooms = list(self.pd_inflight)
+        rooms = list(self.pd_sending)
         state = torch.tensor([_WRITING if not f.task.done.is_set() else _FAILED if f.task.error else _WRITTEN
-                              for f in self.pd_inflight.values()], dtype=torch.int32)
+                              for f in self.pd_sending.values()], dtype=torch.int32)
         lo_hi = self.group.all_reduce_host(torch.cat([state, -state]), "min")
         ended = 0
         for room, lo, hi in zip(rooms, lo_hi[:len(rooms)].tolist(), (-lo_hi[len(rooms):]).tolist()):
             if lo == _WRITING:
                 continue
             ended += 1
-            f = self.pd_inflight.pop(room)
+            f = self.pd_sending.pop(room)
             if f.abort is not None:
                 self._fail(room, f.req, *f.abort)
             elif hi == _FAILED:  # retried on the transfer thread already: report it, both sides free now
                 error = f.task.error or "the KV transfer failed on another CP rank"
                 logger.error("PD transfer for room %d failed: %s", room, error)
-                self.pd_failed += 1
+                self.pd_num_failed += 1
                 self._fail(room, f.req, f"KV transfer to the decode server failed: {error}", 503)
             else:
-                self._sent(room, f)
+                self._complete_send(room, f)
         return ended
 
-    def _sent(self, room: int, f: _Inflight) -> None:
+    def _complete_send(self, room: int, f: _KVSend) -> None:
+        """Every rank wrote its pages: Done (with the first token) to the decode side, then release."""
         req, nbytes = f.req, f.task.nbytes
         self.pd.seconds += f.task.seconds
         self.pd.bytes_moved += nbytes
         self.pd.pages_moved += f.pages
-        self.pd_transfers += 1
+        self.pd_num_sent += 1
         self.push.send(f.reg.notify_addr, Done(room, self.cp_rank, self.cp_size, req.output_ids[0], req.cached_tokens,
                                                nbytes, f.pages, self.tp_worker.export_req_state(req.req_pool_idx)))
         req.finished_reason = FINISH_LENGTH(len(req.output_ids))
@@ -375,10 +380,10 @@ class PrefillScheduler(Scheduler):
     def get_stats(self):
         stats = super().get_stats()
         stats.num_prefill_bootstrap_queue_reqs = len(self.bootstrap_queue)
-        stats.num_prefill_inflight_queue_reqs = len(self.pd_waiting) + len(self.pd_inflight)
+        stats.num_prefill_inflight_queue_reqs = len(self.pd_waiting) + len(self.pd_sending)
         stats.disaggregation = {"mode": "prefill", "bytes_sent": self.pd.bytes_moved, "pages_sent": self.pd.pages_moved,
-                                "transfers": self.pd_transfers, "failed": self.pd_failed,
+                                "transfers": self.pd_num_sent, "failed": self.pd_num_failed,
                                 "retries": self.pd.worker.retries, "bootstrapping": len(self.bootstrap_queue),
-                                "waiting": len(self.pd_waiting), "inflight": len(self.pd_inflight),
+                                "waiting": len(self.pd_waiting), "inflight": len(self.pd_sending),
                                 "transfer_seconds": self.pd.seconds, "copy_ops": self.pd.ops}
         return stats

@@ -59,20 +59,24 @@ _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logp
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, version: str = "") -> FastAPI:
+    """The app: the guard middleware, one JSON error body for every failure, then the routes by group
+    (registration order is match order: a fixed path before its `{param}` sibling)."""
     app = FastAPI(title="sglang (DSA)", version=version, default_response_class=SafeJSONResponse)
-    served = server_args.served_model_name
-    completions = CompletionHandler(tm, served)
-    chat = ChatHandler(tm, served, server_args.reasoning_parser, server_args.tool_call_parser)
-    responses = ResponsesHandler(chat)
-    tokenize, detokenize = OpenAIServingTokenize(tm, served), OpenAIServingDetokenize(tm, served)
-    score = OpenAIServingScore(tm, served)
 
     @app.on_event("startup")
     async def _start() -> None:
         tm.start()
 
     app.add_middleware(GuardMiddleware, api_key=server_args.api_key, max_payload_size=server_args.max_payload_size)
+    _register_error_handlers(app)
+    chat = _register_openai_routes(app, tm, server_args)
+    _register_responses_routes(app, ResponsesHandler(chat))
+    _register_generate_routes(app, tm)
+    _register_info_routes(app, tm, server_args, metrics, version)
+    return app
 
+
+def _register_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception):  # keep serving; report as JSON
         logger.exception("unhandled error on %s", request.url.path)
@@ -92,7 +96,16 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     async def _request_error(request: Request, exc: RequestError):
         return request_error_response(exc)
 
-    # -- OpenAI ---------------------------------------------------------------------------------------
+
+def _register_openai_routes(app: FastAPI, tm: TokenizerManager, server_args: ServerArgs) -> ChatHandler:
+    """/v1/models, tokenize / detokenize, score, completions and chat; returns the chat handler (the
+    Responses API runs on it)."""
+    served = server_args.served_model_name
+    completions = CompletionHandler(tm, served)
+    chat = ChatHandler(tm, served, server_args.reasoning_parser, server_args.tool_call_parser)
+    tokenize, detokenize = OpenAIServingTokenize(tm, served), OpenAIServingDetokenize(tm, served)
+    score = OpenAIServingScore(tm, served)
+
     def model_card() -> dict:
         return ModelCard(id=served, created=now_s(), root=server_args.model_path,
                          max_model_len=tm.context_len).model_dump()
@@ -129,7 +142,11 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     @app.post("/v1/chat/completions")
     async def v1_chat(raw: Request):
         return await chat.handle(await read_model(raw, ChatCompletionRequest), raw)
+    return chat
 
+
+def _register_responses_routes(app: FastAPI, responses: ResponsesHandler) -> None:
+    """The Responses API: create, retrieve, cancel, delete, input items."""
     @app.post("/v1/responses")
     async def v1_responses(raw: Request):
         return await responses.create(await read_model(raw, ResponsesRequest))
@@ -150,7 +167,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
     async def v1_responses_input_items(response_id: str):
         return responses.input_items(response_id)
 
-    # -- native ----------------------------------------------------------------------------------------
+
+def _register_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    """SGLang's native /generate and the health checks."""
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(raw: Request):
         body = await read_json(raw)
@@ -195,6 +214,12 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
             return error_response(f"generation health check failed: {e}", 503, "server_error")
         return Response(status_code=200)
 
+
+def _register_info_routes(app: FastAPI, tm: TokenizerManager, server_args: ServerArgs, metrics,
+                          version: str) -> None:
+    """Model / server info, cache flush and Prometheus metrics."""
+    served = server_args.served_model_name
+
     @app.get("/get_model_info")
     async def model_info():
         return {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path,
@@ -229,8 +254,6 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs, metrics=None, vers
         except asyncio.TimeoutError:
             pass
         return Response(content=metrics.render(), media_type="text/plain; version=0.0.4")
-
-    return app
 
 
 class GuardMiddleware:

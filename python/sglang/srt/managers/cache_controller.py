@@ -24,7 +24,8 @@ Interfaces for the other parts of issue 20 (stable; None = off, no cost on the c
   callables after each layer/payload copy (`tensor` = the host rows of those pages).
 - `storage`: the L3 tier (`sglang.srt.mem_cache.storage.tier.StorageTier`), None by default.
   `store()` queues an L3 write of committed host pages on the write thread (op kind "store"); the
-  radix tree reads the tier on a host miss at admission (HiRadixCache.prefetch_from_storage).
+  radix tree reads the tier on a host miss at admission, inside `tree_cache.match_for_admission()`
+  (the scheduler's one admission match; HiRadixCache reads L3 there, then starts the load-back).
 - With `SGLANG_CP_HICACHE_KV_TRACE` >= 1 `trace` is the KV tracer's adapter
   (`debug.kv_trace.HiCacheTrace`): at backup it hashes the host rows just written, at load the
   device rows just written (so a corrupted host copy and a broken copy both show).

@@ -39,7 +39,8 @@ class DecodeManager:
     @staticmethod
     def reaches_length(req: Req) -> bool:
         """The step in flight gives the request its last allowed token: no step after it."""
-        return req.inflight > 0 and len(req.output_ids) + req.inflight >= req.sampling_params.max_new_tokens
+        n = req.unprocessed_steps
+        return n > 0 and len(req.output_ids) + n >= req.sampling_params.max_new_tokens
 
     def prepare_for_decode(self, running: list[Req], waiting_queue: list[Req], n: int) -> ScheduleBatch | None:
         """One decode step of `n` rows per running request (retracting requests until they fit)."""

@@ -8,7 +8,7 @@ KV bookkeeping of a request:
 - `kv_allocated_len`: positions with a slot in `req_to_token` (>= kv_committed_len): steps in flight
   (overlap) and rows a step computed but did not accept (speculative verify) lie in between. Pages
   wholly past kv_committed_len are freed once no step that writes them is in flight.
-- `inflight`: launched steps containing the request whose results are not processed yet; `epoch`
+- `unprocessed_steps`: launched steps containing the request whose results are not processed yet; `epoch`
   counts retractions, so a result computed before a retraction is recognised as stale.
 """
 
@@ -88,7 +88,7 @@ class Req:
         self.last_node = None
         self.kv_committed_len = 0
         self.kv_allocated_len = 0
-        self.inflight = 0
+        self.unprocessed_steps = 0
         self.epoch = 0
         self.spec_verify_ct = 0  # decode steps that verified draft tokens (speculative decoding)
         self.extend_input_len = 0  # tokens in the current extend step

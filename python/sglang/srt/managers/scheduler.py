@@ -252,7 +252,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         for req in [r for r in self.running if r.to_abort]:
             self.running.remove(req)
             req.finished_reason = FINISH_ABORT(req.to_abort)
-            if req.inflight == 0:  # else processing the launched step releases it
+            if req.unprocessed_steps == 0:  # else processing the launched step releases it
                 self.cache_manager.release_req(req)
             outs.append(self._make_output(req, []))
         if self.chunked_req is not None and self.chunked_req.to_abort:
@@ -276,7 +276,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         # needs no host state of that step are prepared meanwhile): the seed step counts it.
         return SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs], self.vocab_size, self.device,
-            output_ids=[r.output_ids for r in reqs], seeds_step=[len(r.output_ids) + r.inflight for r in reqs],
+            output_ids=[r.output_ids for r in reqs],
+            seeds_step=[len(r.output_ids) + r.unprocessed_steps for r in reqs],
             eos_token_ids=self.eos_token_ids, grammars=grammars, custom_logit_processors=procs,
             custom_params=params)
 
@@ -285,7 +286,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerMetricsMixin):
         batch.sampling_info = self._sampling_info(batch.reqs)
         batch.req_epochs = [r.epoch for r in batch.reqs]
         for r in batch.reqs:
-            r.inflight += 1
+            r.unprocessed_steps += 1
         self.tree_cache.prepare_batch(batch)
         self.forward_ct += 1
         return self.tp_worker.forward_batch_generation(batch)

@@ -139,11 +139,11 @@ class SchedulerOutputProcessorMixin:
         now = time.monotonic()
         wants_input = bool(result.input_token_logprobs)
         for i, req in enumerate(batch.reqs):
-            req.inflight -= 1
+            req.unprocessed_steps -= 1
             if batch.req_epochs and batch.req_epochs[i] != req.epoch:
                 continue  # retracted after launch: recomputed from its tokens later
             if req.finished():  # finished while this step ran: its extra row emits nothing
-                if req.inflight == 0 and req.req_pool_idx is not None:
+                if req.unprocessed_steps == 0 and req.req_pool_idx is not None:
                     self.cache_manager.release_req(req)
                 continue
             rows = batch.extend_lens[i]
@@ -186,12 +186,12 @@ class SchedulerOutputProcessorMixin:
             if req.finished():
                 if not is_prefill:
                     self.running.remove(req)
-                if req.inflight == 0:
+                if req.unprocessed_steps == 0:
                     self.cache_manager.release_req(req)
             else:
                 if accepted < rows:
                     # A later step in flight uses the window [committed, committed + its rows): keep it.
-                    keep = req.kv_committed_len + req.inflight * self.tp_worker.num_tokens_per_req
+                    keep = req.kv_committed_len + req.unprocessed_steps * self.tp_worker.num_tokens_per_req
                     self.cache_manager.free_uncommitted_kv(req, keep)
                 if is_prefill:
                     self.on_prefill_finished(req)

@@ -1,4 +1,4 @@
-"""The prefix cache seam (radix cache, chunk cache, later the HiCache radix tree).
+"""The prefix cache seam: RadixCache, ChunkCache (--disable-radix-cache) and HiRadixCache (HiCache's host tier).
 
 Rules:
 - `match_prefix(key)` returns the KV slots of the longest cached prefix of `key` (page-aligned)

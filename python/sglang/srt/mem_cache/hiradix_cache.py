@@ -25,7 +25,7 @@ host copy is committed is written to storage behind it, keyed by its pages' pref
 on the host until the write is acked (a "store" op: it blocks host eviction, not device eviction).
 At admission, a key past the device + host match is looked up in storage
 (`prefetch_from_storage`): the hit pages are read into fresh host pages and hung under the match
-as one host-only node, which the normal load-back then brings to the device.
+as one host-only node, which the normal load-back then brings to the device (hiradix_storage.py).
 """
 
 from __future__ import annotations
@@ -40,59 +40,18 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 from sglang.srt.mem_cache.cp_page_map import page_owner
 from sglang.srt.mem_cache.hicache_transfer import HostTransfers, NullBackup, TransferOp
+from sglang.srt.mem_cache.hiradix_node import LOAD_BACK_THRESHOLD, HiTreeNode, Pin, device_busy
+from sglang.srt.mem_cache.hiradix_storage import StorageOps
 from sglang.srt.mem_cache.memory_pool_host import HostPageAllocator
 from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 from sglang.srt.mem_cache.storage.hicache_storage import page_hashes
 
 logger = logging.getLogger(__name__)
 
-# Host hits shorter than this are recomputed rather than loaded (upstream's load-back threshold).
-LOAD_BACK_THRESHOLD = 10
 WRITE_THRESHOLDS = {"write_through": 1, "write_through_selective": 2, "write_back": None}
 
 
-class HiTreeNode(TreeNode):
-    __slots__ = ("host_value", "hit_count", "pending")
-
-    def __init__(self, key=None, value=None, parent=None) -> None:
-        super().__init__(key, value, parent)
-        if value is None:
-            self.value = None  # host-only (the root's value is never read)
-        self.host_value: torch.Tensor | None = None
-        self.hit_count = 0
-        self.pending: list[TransferOp] = []  # transfers in flight that read or write this node
-
-    @property
-    def on_device(self) -> bool:
-        return self.value is not None
-
-    @property
-    def host_ready(self) -> bool:
-        """Backed up and acknowledged (a pending backup is not a host copy yet)."""
-        return self.host_value is not None and not any(op.kind == "backup" for op in self.pending)
-
-
-class _Pin:
-    """Keeps nodes out of both evictions for a moment (a pending entry that is no transfer)."""
-
-    kind = "pin"
-
-    def __init__(self, nodes: list[HiTreeNode]) -> None:
-        self.nodes = list(nodes)
-        for x in self.nodes:
-            x.pending.append(self)
-
-    def release(self) -> None:
-        for x in self.nodes:  # includes halves split off meanwhile (_split extends self.nodes)
-            x.pending.remove(self)
-
-
-def _device_busy(x: HiTreeNode) -> bool:
-    """A transfer reads or writes the node's device slots (an L3 write reads only its host pages)."""
-    return any(op.kind != "store" for op in x.pending)
-
-
-class HiRadixCache(RadixCache):
+class HiRadixCache(StorageOps, RadixCache):
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, page_size: int,
                  controller: HostTransfers, host_allocator: HostPageAllocator,
                  write_policy: str = "write_through") -> None:
@@ -263,65 +222,6 @@ class HiRadixCache(RadixCache):
             match = self.init_load_back(match)
         return match
 
-    # -- L3 storage (controller.storage; None = off) ------------------------------------------------
-    def store_to_storage(self, nodes: list[HiTreeNode]) -> None:
-        """Write nodes whose host copy was just committed to L3, behind the backups on the write
-        thread; each stays pinned on the host (a "store" op in `pending`) until that write is acked."""
-        tier = self.controller.storage
-        if tier is None or not tier.enabled:
-            return
-        for n in nodes:
-            if n.host_value is None:
-                continue
-            op = self.controller.store(n.host_value, self.page_keys(n), on_done=self._on_store_done)
-            op.nodes = [n]
-            n.pending.append(op)
-
-    def _on_store_done(self, op: TransferOp) -> None:
-        for n in op.nodes:
-            n.pending.remove(op)
-        if op.error is not None:
-            logger.warning("HiCache storage write of %d tokens failed: %s", len(op.host_indices), op.error)
-
-    def prefetch_from_storage(self, key: list[int], match: MatchResult) -> MatchResult:
-        """On a miss in device and host memory, read the pages L3 holds past `match` into fresh host
-        pages and hang them under the match as a host-only node; the result is the new match (its
-        host part then loads back layer by layer like any host hit). Synchronous (storage/tier.py)."""
-        tier = self.controller.storage
-        ps = self.page_size
-        key = list(key[: self._align(len(key))])
-        have = len(match.device_indices) + match.host_hit_length
-        least = max(LOAD_BACK_THRESHOLD, ps)
-        if not tier.enabled or len(key) - have < least:
-            return match
-        keys = page_hashes(key, ps)[have // ps:]
-        n = tier.query(keys)
-        if n * ps < least:
-            return match
-        parent = match.last_host_node if match.host_hit_length else match.last_node
-        path, x = [], parent
-        while x is not self.root:
-            path.append(x)
-            x = x.parent
-        pin = _Pin(path)  # the host eviction making room must not take the match itself
-        try:
-            host = self._alloc_host(n * ps)
-        finally:
-            pin.release()
-        if host is None:
-            return match
-        got = tier.load(host.reshape(-1, ps)[:, 0] // ps, keys[:n]) * ps
-        if got < least:
-            self.host_allocator.free(host)
-            return match
-        if got < len(host):
-            self.host_allocator.free(host[got:])
-        node = HiTreeNode(key[have: have + got], None, parent)
-        node.host_value, node.last_access_time = host[:got], time.monotonic()
-        parent.children[self._child_key(node.key)] = node
-        self.stats["storage_loaded_tokens"] += got
-        return self.match_prefix(key)
-
     def _on_load_done(self, op: TransferOp) -> None:
         for n in op.nodes:
             n.pending.remove(op)
@@ -345,7 +245,7 @@ class HiRadixCache(RadixCache):
         host = torch.cat([x.host_value for x in nodes])
         # Our own eviction must take neither the device prefix (locked) nor, through a write_back
         # backup's host allocation, the host pages about to be read (pinned).
-        pin = _Pin(nodes)
+        pin = Pin(nodes)
         self.inc_lock_ref(match.last_node)
         try:
             out = self._alloc_device(dev_len, n, host)
@@ -385,7 +285,7 @@ class HiRadixCache(RadixCache):
     # -- eviction -----------------------------------------------------------------------------------
     def _device_leaves(self) -> list[HiTreeNode]:
         return [x for x in self._all_nodes() if x is not self.root and x.on_device and x.lock_ref == 0
-                and not _device_busy(x) and not any(c.on_device for c in x.children.values())]
+                and not device_busy(x) and not any(c.on_device for c in x.children.values())]
 
     def evict(self, num_tokens: int) -> int:
         """Free >= num_tokens of unlocked device KV, LRU leaves first: backed-up nodes become
@@ -406,7 +306,7 @@ class HiRadixCache(RadixCache):
             else:
                 self._delete_subtree(leaf)
             parent = leaf.parent
-            if (parent is not self.root and parent.on_device and parent.lock_ref == 0 and not _device_busy(parent)
+            if (parent is not self.root and parent.on_device and parent.lock_ref == 0 and not device_busy(parent)
                     and not any(c.on_device for c in parent.children.values())):
                 heapq.heappush(leaves, parent)
         return freed

@@ -251,7 +251,7 @@ class MLATokenToKVPool(KVCache):
         self.size, self.page_size, self.dtype, self.device = size, page_size, dtype, device
         self.kv_lora_rank, self.qk_rope_head_dim, self.layer_num = kv_lora_rank, qk_rope_head_dim, layer_num
         self.kv_cache_dtype = kv_cache_dtype
-        self.kv_fp8 = kv_cache_dtype == "fp8_e4m3"
+        self.kv_fp8 = kv_cache_dtype == "fp8_e4m3"  # the MLA KV rows (the index K has its own: index_k_fp8)
         if self.kv_fp8:
             kv_fp8_format.check_dims(kv_lora_rank, qk_rope_head_dim)
             self.store_dtype = torch.uint8
@@ -366,9 +366,9 @@ class NSATokenToKVPool(MLATokenToKVPool):
         if index_k_dtype not in INDEX_K_DTYPES:
             raise ValueError(f"index_k_dtype {index_k_dtype!r} not in {sorted(INDEX_K_DTYPES)}")
         self.index_head_dim, self.index_k_dtype = index_head_dim, index_k_dtype
-        self.is_fp8 = index_k_dtype == "fp8_e4m3"
-        self.data_dtype = torch.float8_e4m3fn if self.is_fp8 else INDEX_K_DTYPES[index_k_dtype]
-        self.num_scales = num_scale_blocks(index_head_dim) if self.is_fp8 else 0
+        self.index_k_fp8 = index_k_dtype == "fp8_e4m3"  # the index K (+ fp32 scales); kv_fp8 is the MLA KV
+        self.data_dtype = torch.float8_e4m3fn if self.index_k_fp8 else INDEX_K_DTYPES[index_k_dtype]
+        self.num_scales = num_scale_blocks(index_head_dim) if self.index_k_fp8 else 0
         self.data_bytes_per_token = index_head_dim * self.data_dtype.itemsize
         self.index_bytes_per_token = self.data_bytes_per_token + 4 * self.num_scales
         if self.index_bytes_per_token % 4:
@@ -413,7 +413,7 @@ class NSATokenToKVPool(MLATokenToKVPool):
         row = buf.shape[1]
         isz = self.data_dtype.itemsize
         data = buf.view(self.data_dtype).as_strided((npg, p, d), (row // isz, d, 1))
-        if not self.is_fp8:
+        if not self.index_k_fp8:
             return data, None
         f32 = buf.view(torch.float32)
         base = p * self.data_bytes_per_token // 4
@@ -424,7 +424,7 @@ class NSATokenToKVPool(MLATokenToKVPool):
         """Quantise (FP8 mode) and store index K [T, D] at slots `loc` (torch twin of the store kernel)."""
         data, scales = self._views(self.index_k_with_scale_buffer[self.index_buffer_id(layer_id)])
         page, off = loc // self.page_size, loc % self.page_size
-        if self.is_fp8:
+        if self.index_k_fp8:
             q, s = quantize_fp8_per_block(k)
             data[page, off] = q
             scales[page, off] = s
@@ -435,7 +435,7 @@ class NSATokenToKVPool(MLATokenToKVPool):
         """Dequantised index K (fp32) for slots `loc` of any shape -> [..., D]."""
         data, scales = self._views(self.get_index_k_buffer(layer_id))
         page, off = loc // self.page_size, loc % self.page_size
-        if self.is_fp8:
+        if self.index_k_fp8:
             return dequantize_fp8_per_block(data[page, off], scales[page, off])
         return data[page, off].float()
 

@@ -2,8 +2,8 @@
 
 Names and the `model_name` label are upstream SGLang's (`sglang:prompt_tokens_total`, ...;
 prometheus_client adds `_total` to counters). Request metrics are observed here as outputs
-arrive; scheduler gauges are refreshed from the scheduler's stats on each scrape. Upstream's
-`sglang:spec_accept_length` is left out: no speculative decoding runs in the scheduler yet.
+arrive; scheduler gauges are refreshed from the scheduler's stats on each scrape (including
+`sglang:spec_accept_length`, the worker's tokens per request per verify step, and PD's queue sizes).
 """
 
 from __future__ import annotations

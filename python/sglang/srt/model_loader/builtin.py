@@ -26,7 +26,7 @@ CACHE_ENV = "SGLANG_BUILTIN_CACHE"
 DEFAULT_CACHE_DIR = "~/.cache/sglang/builtin"
 # Written last inside the build dir; a directory without it is never served.
 _MARKER = ".sglang_builtin.json"
-_TINY_MODELS_SOURCE = Path(__file__).resolve().parent / "tiny_models.py"
+_TINY_MODELS_SOURCES = [Path(__file__).resolve().parent / f for f in ("tiny_models.py", "tiny_tokenizer.py")]
 _FP8_WRITER_SOURCE = Path(__file__).resolve().parent / "fp8_checkpoint.py"
 
 
@@ -117,7 +117,8 @@ def builtin_key(name: str) -> str:
     spec = get_builtin_spec(name)
     h = hashlib.sha256()
     h.update(json.dumps(asdict(spec), sort_keys=True, default=str).encode())
-    h.update(_TINY_MODELS_SOURCE.read_bytes())  # any generator change -> new dir
+    for source in _TINY_MODELS_SOURCES:  # any generator change -> new dir
+        h.update(source.read_bytes())
     if spec.fp8_block_size is not None:
         h.update(_FP8_WRITER_SOURCE.read_bytes())
     # config.json contents come from transformers' config classes.

@@ -42,20 +42,11 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
     os.environ.update(case.env)  # before the model modules read it
     import torch
 
-    from sglang.srt.distributed.parallel_state import SINGLE_GROUP
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
-    from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.server_args import ServerArgs
 
-    kwargs = dict(device="cpu", random_seed=0, max_total_tokens=8192)
-    kwargs.update(case.server_args)
-    kwargs["tp_size"] = world_size
-    if kwargs.get("enable_nsa_prefill_context_parallel"):
-        kwargs["attn_cp_size"] = world_size
-    sa = ServerArgs(**kwargs).resolve()
-    torch.manual_seed(0)
-    sched = Scheduler(sa, tp_group=group or SINGLE_GROUP)
+    sched = _scheduler(case, world_size, group)
+    sa = sched.server_args
     from sglang.srt.layers.attention.nsa.cp_batch import DRAFT_KV_DEBUG_RECORDS as debug_records
 
     n_debug_before = len(debug_records)  # SGLANG_CP_DRAFT_SHARED_KV_DEBUG records of this case only
@@ -107,17 +98,35 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
     if draft is not None:
         out["_draft"] = {"pool_slots": draft.size, "debug": debug_records[n_debug_before:],
                          "accept_length": sched.tp_worker.avg_accept_length}
-    out["_stats"] = {"kv_leak": sched.kv_leak_report(), "step_s": step_s, "layer_ends": layer_ends,
-                     **_runner_stats(sched)}
+    out["_stats"] = _stats(sched, step_s, layer_ends)
     return out
 
 
-def _runner_stats(sched) -> dict:
-    """What a case reports of this rank's scheduler, model runner and pools after its requests."""
+def _scheduler(case: Case, world_size: int, group):
+    """The case's Scheduler on this rank: its flags over the CPU defaults, TP (and CP) = the world."""
+    import torch
+
+    from sglang.srt.distributed.parallel_state import SINGLE_GROUP
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.server_args import ServerArgs
+
+    kwargs = dict(device="cpu", random_seed=0, max_total_tokens=8192)
+    kwargs.update(case.server_args)
+    kwargs["tp_size"] = world_size
+    if kwargs.get("enable_nsa_prefill_context_parallel"):
+        kwargs["attn_cp_size"] = world_size
+    sa = ServerArgs(**kwargs).resolve()
+    torch.manual_seed(0)
+    return Scheduler(sa, tp_group=group or SINGLE_GROUP)
+
+
+def _stats(sched, step_s: list[float], layer_ends: list[int]) -> dict:
+    """What the equivalence tests compare besides tokens: leaks, cache hits, CP traffic, pages."""
     mr = sched.tp_worker.model_runner
     counter = mr.attn_backend.comm_counter  # CP: the collectives' element counts
-    return {"cached_tokens": sched.prefill_manager.num_cached_tokens,
-            "cache_stats": dict(getattr(sched.tree_cache, "stats", {})),
+    return {"kv_leak": sched.kv_leak_report(), "step_s": step_s,
+            "cached_tokens": sched.prefill_manager.num_cached_tokens,
+            "cache_stats": dict(getattr(sched.tree_cache, "stats", {})), "layer_ends": layer_ends,
             "comm": dict(counter.elements) if counter is not None else {},
             "pool_slots": mr.token_to_kv_pool.size, "capacity": sched.max_total_num_tokens,
             # pages each rank stores now (the prefix cache keeps the finished requests' KV)

@@ -84,7 +84,7 @@ def test_bf16_scoring_of_fp8_index_k_keeps_the_top_k():
     for a, b in zip(exact.topk(topk).indices, fast.topk(topk).indices):
         assert len(set(a.tolist()) & set(b.tolist())) >= 0.98 * topk
 
-    fp8_pool, exact_pool = SimpleNamespace(is_fp8=True), SimpleNamespace(is_fp8=False)
+    fp8_pool, exact_pool = SimpleNamespace(index_k_fp8=True), SimpleNamespace(index_k_fp8=False)
     assert index_score_dtype(fp8_pool, torch.device("cuda")) == torch.bfloat16
     assert index_score_dtype(fp8_pool, torch.device("cpu")) == torch.float32
     assert index_score_dtype(exact_pool, torch.device("cuda")) == torch.float32

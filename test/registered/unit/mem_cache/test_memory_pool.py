@@ -230,7 +230,7 @@ def test_nsa_fp8_bytes_per_token(d, bytes_per_token, num_scales):
 @pytest.mark.parametrize("mode,itemsize", [("bfloat16", 2), ("float32", 4)])
 def test_nsa_exact_buffer_shape(mode, itemsize):
     pool = nsa(index_head_dim=128, index_k_dtype=mode)
-    assert pool.num_scales == 0 and not pool.is_fp8
+    assert pool.num_scales == 0 and not pool.index_k_fp8
     assert pool.index_bytes_per_token == 128 * itemsize
     assert pool.index_k_with_scale_buffer[0].shape == (5, 16 * 128 * itemsize)
 

@@ -19,10 +19,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from sglang.srt.entrypoints.openai.chat_output import Event, ParsedOutput, ToolCallOut
+from sglang.srt.entrypoints.openai.chat_output import ParsedOutput
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, make_id, now_s, usage_of
+from sglang.srt.entrypoints.openai.responses_stream import ResponseStream, call_item, message_item, reasoning_item
 from sglang.srt.entrypoints.openai.serving_chat import ChatHandler
-from sglang.srt.entrypoints.openai.utils import SSE_DONE, abort_error, request_error_response, sse
+from sglang.srt.entrypoints.openai.utils import SSE_DONE, abort_error, request_error_response
 from sglang.srt.entrypoints.request_io import SafeJSONResponse
 from sglang.srt.managers.tokenizer_manager import RequestError
 
@@ -218,11 +219,11 @@ class ResponsesHandler:
     def _items(parsed: ParsedOutput) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if parsed.reasoning:
-            out.append(_reasoning_item(make_id("rs"), parsed.reasoning, "completed"))
+            out.append(reasoning_item(make_id("rs"), parsed.reasoning, "completed"))
         if parsed.content:
-            out.append(_message_item(make_id("msg"), parsed.content, "completed"))
+            out.append(message_item(make_id("msg"), parsed.content, "completed"))
         for call in parsed.tool_calls:
-            out.append(_call_item(make_id("fc"), call, "completed"))
+            out.append(call_item(make_id("fc"), call, "completed"))
         return out
 
     def _usage(self, results: list[dict], reasoning: str) -> dict[str, Any]:
@@ -318,81 +319,9 @@ class ResponsesHandler:
     async def _stream(self, rid: str, req: ResponsesRequest, chat_req, messages, item):
         base, prepared, _ = item
         parser = self.chat.output_parser(chat_req)
-        seq = iter(range(1 << 62))
-        output: list[dict[str, Any]] = []
-        reasoning_text = ""
-
-        def event(kind: str, **body) -> str:
-            return sse({"type": kind, "sequence_number": next(seq), **body})
-
-        yield event("response.created", response=self._response(rid, req, "in_progress", [], None))
-        yield event("response.in_progress", response=self._response(rid, req, "in_progress", [], None))
-        current: dict[str, Any] | None = None  # the open output item
-
-        def close() -> list[str]:
-            nonlocal current
-            if current is None:
-                return []
-            idx, it, out = len(output) - 1, current, []
-            it["status"] = "completed"
-            if it["type"] == "reasoning":
-                text = it["content"][0]["text"]
-                out.append(event("response.reasoning_text.done", item_id=it["id"], output_index=idx,
-                                 content_index=0, text=text))
-            elif it["type"] == "message":
-                part = it["content"][0]
-                out.append(event("response.output_text.done", item_id=it["id"], output_index=idx, content_index=0,
-                                 text=part["text"], logprobs=[]))
-                out.append(event("response.content_part.done", item_id=it["id"], output_index=idx,
-                                 content_index=0, part=part))
-            else:
-                out.append(event("response.function_call_arguments.done", item_id=it["id"], output_index=idx,
-                                 name=it["name"], arguments=it["arguments"]))
-            out.append(event("response.output_item.done", output_index=idx, item=it))
-            current = None
-            return out
-
-        def open_item(it: dict[str, Any]) -> list[str]:
-            nonlocal current
-            out = close()
-            output.append(it)
-            current = it
-            idx = len(output) - 1
-            added = copy.deepcopy(it)
-            if it["type"] == "message":
-                added["content"] = []
-            out.append(event("response.output_item.added", output_index=idx, item=added))
-            if it["type"] == "message":
-                out.append(event("response.content_part.added", item_id=it["id"], output_index=idx,
-                                 content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                        "logprobs": []}))
-            return out
-
-        def on(ev: Event) -> list[str]:
-            nonlocal reasoning_text
-            out: list[str] = []
-            if ev.kind == "reasoning":
-                reasoning_text += ev.text
-                if current is None or current["type"] != "reasoning":
-                    out += open_item(_reasoning_item(make_id("rs"), "", "in_progress"))
-                current["content"][0]["text"] += ev.text
-                out.append(event("response.reasoning_text.delta", item_id=current["id"],
-                                 output_index=len(output) - 1, content_index=0, delta=ev.text))
-            elif ev.kind == "content":
-                if current is None or current["type"] != "message":
-                    out += open_item(_message_item(make_id("msg"), "", "in_progress"))
-                current["content"][0]["text"] += ev.text
-                out.append(event("response.output_text.delta", item_id=current["id"], output_index=len(output) - 1,
-                                 content_index=0, delta=ev.text, logprobs=[]))
-            elif ev.kind == "tool_start":
-                out += open_item(_call_item(make_id("fc"), ToolCallOut(ev.call.index, ev.call.name, "", ev.call.id),
-                                            "in_progress"))
-            elif current is not None and current["type"] == "function_call":
-                current["arguments"] += ev.text
-                out.append(event("response.function_call_arguments.delta", item_id=current["id"],
-                                 output_index=len(output) - 1, delta=ev.text))
-            return out
-
+        st = ResponseStream()
+        yield st.event("response.created", response=self._response(rid, req, "in_progress", [], None))
+        yield st.event("response.in_progress", response=self._response(rid, req, "in_progress", [], None))
         try:
             async for update in self.tm.generate(base, prepared):
                 res = update["result"]
@@ -401,23 +330,23 @@ class ResponsesHandler:
                 if meta.get("finish_reason") is not None:
                     events += parser.finish()
                 for ev in events:
-                    for s in on(ev):
+                    for s in st.on(ev):
                         yield s
                 if meta.get("finish_reason") is None:
                     continue
-                for s in close():
+                for s in st.close():
                     yield s
                 if meta["finish_reason"].get("type") == "abort":
                     err = {"code": "server_error", "message": meta["finish_reason"].get("message", "aborted")}
-                    resp = self._response(rid, req, "failed", output, None, error=err)
-                    yield event("response.failed", response=resp)
+                    resp = self._response(rid, req, "failed", st.output, None, error=err)
+                    yield st.event("response.failed", response=resp)
                     break
                 status, incomplete = self._status(meta)
-                resp = self._response(rid, req, status, output, self._usage([res], reasoning_text), incomplete)
+                resp = self._response(rid, req, status, st.output, self._usage([res], st.reasoning_text), incomplete)
                 self._remember(rid, req, messages, resp)
-                yield event("response.completed" if status == "completed" else "response.incomplete", response=resp)
+                yield st.event("response.completed" if status == "completed" else "response.incomplete", response=resp)
         except RequestError as e:
-            yield event("error", code=e.code, message=e.message, param=e.param)
+            yield st.event("error", code=e.code, message=e.message, param=e.param)
         yield SSE_DONE
 
     def retrieve(self, rid: str) -> dict[str, Any]:
@@ -455,18 +384,3 @@ class ResponsesHandler:
         data = [{"id": it.get("id") or make_id("msg"), **it} for it in items]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": False}
-
-
-def _reasoning_item(iid: str, text: str, status: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": iid, "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}]}
-
-
-def _message_item(iid: str, text: str, status: str) -> dict[str, Any]:
-    return {"type": "message", "id": iid, "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-
-def _call_item(iid: str, call: ToolCallOut, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": iid, "call_id": call.id, "name": call.name,
-            "arguments": call.arguments, "status": status}

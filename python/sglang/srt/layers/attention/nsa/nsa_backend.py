@@ -222,7 +222,7 @@ class NativeSparseAttnBackend(AttentionBackend):
         md: NSAMetadata = forward_batch.attn_metadata
         pool = forward_batch.token_to_kv_pool
         dtype = index_score_dtype(pool, q.device)
-        qf = (fp8_round_trip(q) if pool.is_fp8 else q.float()).to(dtype)
+        qf = (fp8_round_trip(q) if pool.index_k_fp8 else q.float()).to(dtype)
         keys = pool.get_index_k(indexer.layer_id, md.page_table).to(dtype)  # [B, W, D]
         out = torch.empty(q.shape[0], k_top, dtype=torch.int32, device=q.device)
         # Decode: row b is request b's only token. Extend: each request's tokens against its own keys

@@ -61,7 +61,7 @@ class Indexer(nn.Module):
         return q, k
 
     def _rotates(self, forward_batch: ForwardBatch) -> bool:
-        return forward_batch.token_to_kv_pool.is_fp8 and not (self.head_dim & (self.head_dim - 1))
+        return forward_batch.token_to_kv_pool.index_k_fp8 and not (self.head_dim & (self.head_dim - 1))
 
     def forward(
         self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
@@ -96,7 +96,7 @@ def causal_topk(positions: torch.Tensor, topk: int) -> torch.Tensor:
 def index_score_dtype(pool, device: torch.device) -> torch.dtype:
     """The reference scoring matmul's input dtype. FP8 index K on a GPU scores in bf16 (tensor
     cores; fp32 accumulation): FP8 values are exact in bf16. Exact modes and CPU score in fp32."""
-    return torch.bfloat16 if pool.is_fp8 and device.type == "cuda" else torch.float32
+    return torch.bfloat16 if pool.index_k_fp8 and device.type == "cuda" else torch.float32
 
 
 def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> torch.Tensor:

@@ -241,7 +241,7 @@ class TritonNSABackend(AttentionBackend):
     @staticmethod
     def _score_inputs(pool, indexer, q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = torch.float32 if q.dtype == torch.float32 else torch.bfloat16
-        if pool.is_fp8:
+        if pool.index_k_fp8:
             return fold_fp8_query(q, weights, indexer.softmax_scale, dtype)
         return q.to(dtype).contiguous(), (weights.float() * indexer.softmax_scale).contiguous()
 

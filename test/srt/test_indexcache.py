@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang.srt.entrypoints.engine import Engine
-from sglang.srt.layers.attention.nsa.utils import StaleTopkError, assert_topk_matches_batch
+from sglang.srt.debug.checks import StaleTopkError, assert_topk_matches_batch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.testing.runner_utils import prefill_all_logits
 from sglang.srt.testing.reference import hf_greedy_generate, hf_prefill_logits, load_hf_reference
@@ -140,6 +140,37 @@ def test_stale_topk_is_caught():
         assert_topk_matches_batch(ok[:2], fb, 3)
     with pytest.raises(StaleTopkError, match="non-causal"):
         assert_topk_matches_batch(torch.tensor([[0, 1], [0, 1], [2, 0]], dtype=torch.int32), fb, 3)
+
+
+def test_debug_checks_hook_checks_inherited_topk_in_the_model(ckpt, monkeypatch):
+    """SGLANG_DEBUG_CHECKS installs its check as a forward hook (debug/hooks.py) on every layer that
+    reuses a given top-k: a shared layer handed indices of another batch fails in the model's own
+    forward; full layers (which score their own) are not checked; off, nothing is installed."""
+    from sglang.srt.debug import checks as debug_checks
+
+    path = ckpt(index_topk_freq=4, index_skip_topk_offset=3)
+    ids = [5, 6, 7, 8]
+    for on in (True, False):
+        monkeypatch.setattr(debug_checks, "DEBUG_CHECKS", on)
+        engine = _engine(path)
+        mr = engine.scheduler.tp_worker.model_runner
+        layers = mr.model.model.layers
+        assert sum(bool(l.self_attn._forward_pre_hooks) for l in layers) == (LAYERS if on else 0)
+        slot = mr.req_to_token_pool.alloc(1)[0]
+        locs = mr.token_to_kv_pool_allocator.alloc_extend([0], [len(ids)], [-1])
+        mr.req_to_token_pool.write(slot, 0, locs)
+        fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [slot], [0], [len(ids)], locs, device=mr.device)
+        fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = mr.req_to_token_pool, mr.token_to_kv_pool, \
+            mr.attn_backend
+        mr.attn_backend.init_forward_metadata(fb)
+        shared = next(l for l in layers if l.self_attn.skip_topk)
+        hidden = torch.randn(len(ids), engine.model_config.hf_config.hidden_size)
+        stale = torch.zeros(len(ids) - 1, 2, dtype=torch.int32)  # rows of another batch
+        if on:
+            with pytest.raises(StaleTopkError, match="shape"):
+                shared.self_attn(fb.positions, hidden, fb, stale)
+        else:
+            shared.self_attn(fb.positions, hidden, fb, torch.zeros(len(ids), 2, dtype=torch.int32))
 
 
 def _launch(*args: str) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SpecInput
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.testing.runner_utils import prefill_all_logits
@@ -73,6 +73,6 @@ def test_nextn_layer_ends_on_the_draft_pool(tmp_path):
     loc = draft.token_to_kv_pool_allocator.alloc(len(ids))
     draft.req_to_token_pool.write(slot[0], 0, loc)
     hidden = torch.randn(len(ids), draft.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    fb = ForwardBatch.build(ForwardMode.EXTEND, ids, slot, [0], [len(ids)], loc, spec_hidden_states=hidden)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, ids, slot, [0], [len(ids)], loc, spec=SpecInput(hidden))
     draft.forward(fb)
     assert seen == [0]  # the NextN layer is layer 0 of its own one-layer pool

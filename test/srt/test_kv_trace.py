@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sglang.srt.debug import kv_trace
+from sglang.srt.debug.hooks import installed_tracer
 from sglang.srt.debug.kv_trace import KVTracer, get_kv_tracer
 from sglang.srt.debug.kv_trace_analyze import analyze, format_report, main as analyze_main
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
@@ -214,7 +215,7 @@ def traced_engine(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    tracer = engine.scheduler.tp_worker.model_runner.model.model.kv_tracer
+    tracer = installed_tracer(engine.scheduler.tp_worker.model_runner.model)
     assert tracer is not None and tracer.path == path
     return engine, tracer
 
@@ -237,9 +238,10 @@ def test_model_hooks_absent_when_off(builtin_path, monkeypatch, tmp_path):
     for level in (None, 2):  # level 2 traces pages only: the model holds no tracer either
         _env(monkeypatch, tmp_path, level, name=f"off{level}.jsonl")
         model = Engine(model_path="builtin:tiny-deepseek-v32", dtype="float32", device="cpu",
-                       max_total_tokens=1024, random_seed=0).scheduler.tp_worker.model_runner.model.model
-        assert model.kv_tracer is None
-        assert all(l.kv_tracer is None and l.self_attn.kv_tracer is None for l in model.layers)
+                       max_total_tokens=1024, random_seed=0).scheduler.tp_worker.model_runner.model
+        assert installed_tracer(model) is None
+        # off costs nothing: no forward hook anywhere (the model holds no trace code of its own)
+        assert not [n for n, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
         if level is None:
             assert not os.path.exists(tmp_path / f"off{level}.jsonl")
 

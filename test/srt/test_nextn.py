@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SpecInput
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.testing.reference import load_hf_reference
@@ -96,7 +96,7 @@ def test_nextn_layer_matches_reference(arch, with_head, tmp_path):
     loc = runner.token_to_kv_pool_allocator.alloc(60)
     runner.req_to_token_pool.write(slot[0], 0, loc)
     fb = ForwardBatch.build(ForwardMode.EXTEND, ids, slot, [0], [60], loc, return_all_logits=True,
-                            spec_hidden_states=target_hidden)
+                            spec=SpecInput(target_hidden))
     ours = runner.forward(fb).full_logits
     ref = _reference(path, tmp_path, tensors, ids, target_hidden)
     assert (ours - ref).abs().max().item() < 1e-4
@@ -153,7 +153,7 @@ def test_draft_runner_shares_request_slots_and_is_planned_with_the_target(tmp_pa
     loc = target.token_to_kv_pool_allocator.alloc(8)
     target.req_to_token_pool.write(slot[0], 0, loc)
     fb = ForwardBatch.build(ForwardMode.EXTEND, list(range(5, 13)), slot, [0], [8], loc,
-                            spec_hidden_states=torch.randn(8, 128))
+                            spec=SpecInput(torch.randn(8, 128)))
     draft.forward(fb)
     assert draft.token_to_kv_pool.kv_buffer[0][loc].abs().sum() > 0
     assert all(target.token_to_kv_pool.kv_buffer[i][loc].abs().sum() == 0 for i in range(LAYERS))
@@ -184,7 +184,7 @@ def _draft_extend(runner: ModelRunner, ids: list[int], hidden: torch.Tensor, top
     loc = runner.token_to_kv_pool_allocator.alloc(len(ids))
     runner.req_to_token_pool.write(slot[0], 0, loc)
     fb = ForwardBatch.build(ForwardMode.EXTEND, ids, slot, [0], [len(ids)], loc, return_all_logits=True,
-                            spec_hidden_states=hidden, spec_topk_indices=topk)
+                            spec=SpecInput(hidden, topk))
     logits = runner.forward(fb).full_logits
     pool = runner.token_to_kv_pool
     return logits, pool.get_index_k_pages(0, torch.unique(loc // pool.page_size)).clone()

@@ -261,7 +261,7 @@ def test_draft_extends_reuse_the_targets_topk_when_sharing(model, shares, kw):
         return lo
 
     def draft_spy(fb):
-        topk = fb.spec_topk_indices
+        topk = fb.spec.topk_indices
         if topk is not None:  # the handed rows are the target's rows of the same request + position
             rows = [last_target["rows"].index(k) for k in _row_keys(fb)]
             assert torch.equal(topk, last_target["topk"][rows])

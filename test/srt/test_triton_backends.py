@@ -96,7 +96,7 @@ def test_forward_makes_no_host_sync(attn, builtin_path):
     with no_host_sync():
         mr.forward(fb)
     # the guard is real: our code reading a value back inside it fails (the debug checks do)
-    from sglang.srt.layers.attention.nsa.utils import assert_topk_matches_batch
+    from sglang.srt.debug.checks import assert_topk_matches_batch
 
     with pytest.raises(HostSyncError), no_host_sync():
         assert_topk_matches_batch(torch.zeros(fb.num_tokens, 4, dtype=torch.int32, device=fb.positions.device),

@@ -5,7 +5,8 @@ Switched by `SGLANG_CP_HICACHE_KV_TRACE` (read once, when a tracer is asked for 
 - 2: plus the indexer K-with-scale pages at backup and after the indexer load;
 - 3: plus per-layer forward hashes (attention input, top-k indices, attention output before the
   residual, MoE input) on the eager extend path only, never under CUDA-graph capture.
-Unset or 0: `get_kv_tracer()` is None and callers hold no trace code on their hot path.
+Unset or 0: `get_kv_tracer()` is None and callers hold no trace code on their hot path. Level 3's
+forward records come from forward hooks (debug/hooks.py `install_kv_trace`), never from the model.
 
 Records go as JSON lines to `SGLANG_KV_TRACE_PATH` (default `<tmp>/sglang_kv_trace.<pid>.jsonl`;
 "{pid}" in the path is replaced, so ranks of one server write separate files). Every record
@@ -231,7 +232,7 @@ def _plan_blocks(fb, block: int) -> list[_Block]:
     else:
         req = torch.repeat_interleave(torch.arange(fb.batch_size), torch.tensor(fb.extend_seq_lens_cpu))
     valid = torch.arange(ids.numel())
-    cp = getattr(fb, "cp_metadata", None)
+    cp = fb.cp.metadata
     if cp is not None:
         valid = cp.valid_idx.detach().cpu().to(torch.int64)
     out = []
@@ -281,17 +282,6 @@ def get_kv_tracer(min_level: int = 1) -> KVTracer | None:
         tracer = _TRACERS.get(cfg)
         if tracer is None or tracer.closed:
             tracer = _TRACERS[cfg] = KVTracer(*cfg)
-    return tracer
-
-
-def install_model_tracer(model) -> KVTracer | None:
-    """Level 3: give every decoder layer (and its attention) of a DeepseekV2Model the tracer; the
-    layers' class attribute `kv_tracer = None` stays in effect otherwise (one attribute test)."""
-    tracer = get_kv_tracer(min_level=3)
-    if tracer is not None:
-        for layer in model.layers:
-            layer.kv_tracer = tracer
-            layer.self_attn.kv_tracer = tracer
     return tracer
 
 

@@ -1,4 +1,8 @@
-"""Logits processor: pick the rows whose logits are needed, project with the LM head."""
+"""Logits processor: pick the rows whose logits are needed, project with the LM head.
+
+Under context parallel a forward computes this rank's rows of the batch only; a target model's
+logits are of the scheduler's batch, so the rows they need are gathered back first -- by the CP
+metadata that laid them out (`forward_batch.cp.metadata.logits_output`), not by the model."""
 
 from __future__ import annotations
 
@@ -33,9 +37,12 @@ class LogitsProcessorOutput:
 
 
 class LogitsProcessor(nn.Module):
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, gather_cp_rows: bool = True) -> None:
+        """`gather_cp_rows`: under CP, the logits of the scheduler's batch (False: of this rank's
+        rows as laid out -- the NextN draft, whose extend follows the target's split)."""
         super().__init__()
         self.vocab_size = vocab_size
+        self.gather_cp_rows = gather_cp_rows
 
     @staticmethod
     def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
@@ -44,6 +51,18 @@ class LogitsProcessor(nn.Module):
         return forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
 
     def forward(self, hidden_states: torch.Tensor, lm_head, forward_batch: ForwardBatch,
+                topk_indices: torch.Tensor | None = None) -> LogitsProcessorOutput:
+        """The model's output: logits (+ hidden states per capture mode; with full capture, the
+        `topk_indices` the last layer passes on to the NextN draft layer)."""
+        cp = forward_batch.cp.metadata
+        if cp is not None and self.gather_cp_rows:
+            return cp.logits_output(self, hidden_states, topk_indices, lm_head, forward_batch)
+        out = self.project(hidden_states, lm_head, forward_batch)
+        if forward_batch.capture_hidden_mode in (CaptureHiddenMode.FULL, CaptureHiddenMode.FULL_LOCAL):
+            out.topk_indices = topk_indices
+        return out
+
+    def project(self, hidden_states: torch.Tensor, lm_head, forward_batch: ForwardBatch,
                 pruned: bool = False) -> LogitsProcessorOutput:
         """`pruned`: hidden_states already holds only each request's last token ([B, H])."""
         last_idx = self.last_token_indices(forward_batch)

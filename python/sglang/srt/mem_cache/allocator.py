@@ -232,3 +232,12 @@ class CPPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         it = iter(pages.tolist())
         out = [next(it) * p if f else last + 1 for f, last in zip(fresh, last_locs)]
         return torch.tensor(out, dtype=torch.int64)
+
+
+def make_token_allocator(size: int, page_size: int, cp_size: int = 1, cp_mode: str = "round-robin-split",
+                         device: str = "cpu") -> PagedTokenToKVPoolAllocator:
+    """The allocator of a pool of `size` logical tokens: under context parallel (`cp_size` > 1) the
+    CP-owned pages, as host slots (the CP split re-lays them out on the host before the upload)."""
+    if cp_size > 1:
+        return CPPagedTokenToKVPoolAllocator(size, page_size, cp_size, cp_mode, "cpu")
+    return PagedTokenToKVPoolAllocator(size, page_size, device)

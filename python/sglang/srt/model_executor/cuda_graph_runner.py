@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode, SpecInput
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ def get_batch_sizes_to_capture(max_bs: int) -> list[int]:
 # -- what a graph captures ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StaticInput:
-    """An extra ForwardBatch attribute a spec's model reads, kept in a static buffer.
+    """An extra ForwardBatch input a spec's model reads, kept in a static buffer. `name`: a
+    ForwardBatch attribute, or "spec.<field>" for a field of its SpecInput (the draft's inputs).
 
     `rows`: "token" (one row per token, padded_bs * tokens_per_req rows) or "req" (one per request).
     `shape`: the trailing shape of a row. Padding rows are filled with `pad`."""
@@ -83,8 +84,8 @@ class GraphSpec:
 
     def matches(self, fb: ForwardBatch) -> bool:
         n = self.tokens_per_req
-        if fb.logits_row_indices is not None or (fb.spec_topk_indices is not None and not any(
-                x.name == "spec_topk_indices" for x in self.extra_inputs)):
+        if fb.logits_row_indices is not None or (fb.spec is not None and fb.spec.topk_indices is not None and not any(
+                x.name == "spec.topk_indices" for x in self.extra_inputs)):
             return False  # inputs the captured forward would not read
         return (fb.forward_mode == self.forward_mode and int(fb.capture_hidden_mode) == int(self.capture_hidden_mode)
                 and fb.num_tokens == fb.batch_size * n and all(e == n for e in fb.extend_seq_lens_cpu))
@@ -215,9 +216,16 @@ class _SpecBuffers:
         """Copy `fb`'s inputs into the first rows; padding values into the rest of the bucket."""
         for name, buf in self.inputs.items():
             r, pr = self.rows(name, bs), self.rows(name, pbs)
-            buf[:r].copy_(getattr(fb, name))
+            buf[:r].copy_(_read_input(fb, name))
             if pr > r:
                 buf[r:pr].copy_(self.pad[name][r:pr])
+
+
+def _read_input(fb: ForwardBatch, name: str) -> torch.Tensor:
+    """A StaticInput's tensor of `fb` ("spec.hidden_states": fb.spec.hidden_states)."""
+    if name.startswith("spec."):
+        return getattr(fb.spec, name.removeprefix("spec."))
+    return getattr(fb, name)
 
 
 class CudaGraphRunner:
@@ -254,8 +262,15 @@ class CudaGraphRunner:
             capture_hidden_mode=spec.capture_hidden_mode,
             req_to_token_pool=mr.req_to_token_pool, token_to_kv_pool=mr.token_to_kv_pool,
             attn_backend=mr.attn_backend)
+        spec_inputs = {}
         for x in spec.extra_inputs:
-            setattr(fb, x.name, b.inputs[x.name][:b.rows(x.name, bs)])
+            buf = b.inputs[x.name][:b.rows(x.name, bs)]
+            if x.name.startswith("spec."):
+                spec_inputs[x.name.removeprefix("spec.")] = buf
+            else:
+                setattr(fb, x.name, buf)
+        if spec_inputs:
+            fb.spec = SpecInput(**spec_inputs)
         return fb
 
     def _run(self, fb: ForwardBatch) -> LogitsProcessorOutput:

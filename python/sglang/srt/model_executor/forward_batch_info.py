@@ -48,6 +48,29 @@ class CaptureHiddenMode(IntEnum):
     FULL_LOCAL = 3
 
 
+@dataclass
+class SpecInput:
+    """Speculative decoding: what the NextN draft layer reads from the target's forward."""
+
+    hidden_states: torch.Tensor  # [T, H] the target's hidden states
+    # The top-k the target's last layer passed on ([T, index_topk], IndexCache sharing on): the draft
+    # layer reuses it instead of scoring.
+    topk_indices: torch.Tensor | None = None
+    rows_local: bool = False  # both are already in this rank's CP layout (else the scheduler's order)
+
+
+@dataclass
+class CPBatchInfo:
+    """Context parallel. `split_by_slot_owner` is the caller's: each token is computed by the owner
+    of its KV page, for forwards over slots another forward's split placed (speculative: the draft's
+    steps inside a verify's rows, one row of a verify allocation), which a fresh split of these rows
+    could place differently. `metadata` is set by the CP backend's `prepare_batch` on the rank's
+    share (nsa.cp_batch.CPMetadata); None outside CP."""
+
+    split_by_slot_owner: bool = False
+    metadata: Any = None
+
+
 # Per-token and per-request rows of the packed host buffer, in upload order.
 _TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc", "token_to_req")
 _REQ_FIELDS = ("req_pool_indices", "seq_lens", "extend_prefix_lens", "extend_seq_lens", "extend_start_loc")
@@ -81,24 +104,15 @@ class ForwardBatch:
 
     sampling_info: "SamplingBatchInfo | None" = None
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
-    # Speculative decoding: the target's hidden states the NextN draft layer consumes ([T, H]).
-    spec_hidden_states: torch.Tensor | None = None
-    # ... and the top-k the target's last layer passed on ([T, index_topk], IndexCache sharing on):
-    # the draft layer reuses it instead of scoring. Under CP both are in this rank's layout.
-    spec_topk_indices: torch.Tensor | None = None
-    spec_rows_local: bool = False  # the two above are already in this rank's CP layout
+    spec: SpecInput | None = None  # the NextN draft's inputs from the target; None for target forwards
     # Rows whose logits (and LAST hidden state) the logits processor returns, one per request,
     # instead of each request's last row (a static-shaped draft extend picks its accepted row).
     logits_row_indices: torch.Tensor | None = None
 
-    # Host copies of the per-token / per-request rows (CPU tensors), for host-side re-layouts (CP).
+    # Host copies of the per-token / per-request rows (CPU tensors), for host-side re-layouts (CP)
+    # and the KV trace.
     host_rows: dict[str, torch.Tensor] | None = None
-    # Context parallel: this rank's share of the batch (nsa.cp_backend.CPMetadata), else None.
-    cp_metadata: Any = None
-    # CP: each token is computed by the owner of its KV page. For forwards over slots that another
-    # forward's split placed (speculative: the draft's steps inside a verify's rows, one row of a
-    # verify allocation), which a fresh split of these rows could place differently.
-    cp_split_by_slot_owner: bool = False
+    cp: CPBatchInfo = field(default_factory=CPBatchInfo)
 
     # Set by the model runner.
     req_to_token_pool: Any = None

@@ -23,12 +23,12 @@ from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
-from sglang.srt.layers.attention.attention_registry import create_hybrid_backend
+from sglang.srt.layers.attention.attention_registry import create_runner_backend
 from sglang.srt.layers.batch_invariant import set_deterministic_inference
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.moe.fused_moe import set_moe_runner_backend
 from sglang.srt.layers.sampler import Sampler
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator import make_token_allocator
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, NSATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.memory_plan import (
@@ -94,9 +94,11 @@ class ModelRunner:
         head)."""
         sa = server_args
         self.model_config, self.server_args, self.world_group = model_config, sa, tp_group
-        self.cp_group = tp_group if sa.enable_nsa_prefill_context_parallel and tp_group.world_size > 1 else None
-        self.tp_group = SINGLE_GROUP if self.cp_group is not None else tp_group
-        self.cp_counter = None  # CP: the collectives' element counts (tests, stats)
+        # CP: attention over every rank of the server, weights replicated (the model's TP is one rank);
+        # the capacity is logical (the server's): each rank stores 1 / cp_size of the pages.
+        self.cp_size = tp_group.world_size if sa.enable_nsa_prefill_context_parallel else 1
+        self.cp_group = tp_group if self.cp_size > 1 else None
+        self.tp_group = SINGLE_GROUP if self.cp_size > 1 else tp_group
         self.last_forward_used_graph = False  # the decode stats log says so
         self.device = sa.device
         self.page_size = sa.page_size
@@ -106,8 +108,8 @@ class ModelRunner:
         self.memory_plan: MemoryPlan | None = None
         loaded_before = _device_allocated(self.device)
         parallel = {}
-        if sa.ep_size > 1:
-            parallel = dict(ep_group=tp_group, moe_dispatch=("local" if self.cp_group is None else
+        if sa.ep_size > 1:  # tokens move to their experts only where ranks hold different tokens (CP)
+            parallel = dict(ep_group=tp_group, moe_dispatch=("local" if self.cp_size == 1 else
                                                              "deepep" if sa.moe_a2a_backend == "deepep" else
                                                              "all_to_all"))
         self.model = get_model(model_config, self.device, self.tp_group, sa.load_format, sa.quantization,
@@ -119,20 +121,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.init_memory_pool(req_to_token_pool, token_to_kv_pool_allocator, max_total_num_tokens,
                               extra_kv_bytes_per_token, extra_weight_bytes, extra_reserve_bytes)
-        self.attn_backend = create_hybrid_backend(sa.nsa_prefill_backend, sa.nsa_decode_backend, self)
-        if self.cp_group is not None:
-            from sglang.srt.layers.attention.nsa.cp_backend import CommCounter, NSAContextParallelBackend
-
-            self.attn_backend = NSAContextParallelBackend(self.attn_backend, self.token_to_kv_pool)
-            self.cp_counter = CommCounter()
+        self.attn_backend = create_runner_backend(self)  # under CP: re-lays each batch out (prepare_batch)
         self.cuda_graph_runner = None
-        if self.cp_group is not None:
-            logger.info("context parallel over %d ranks (%s, page size %d)",
-                        self.cp_group.world_size, sa.nsa_prefill_cp_mode, self.page_size)
         from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, cuda_graph_decision
 
-        use_graphs, why_not = cuda_graph_decision(sa, self.attn_backend, self.model,
-                                                  context_parallel=self.cp_group is not None)
+        use_graphs, why_not = cuda_graph_decision(sa, self.attn_backend, self.model, context_parallel=self.cp_size > 1)
         if use_graphs:
             self.cuda_graph_runner = CudaGraphRunner(self, specs=graph_specs) if graph_specs else CudaGraphRunner(self)
         else:
@@ -181,8 +174,8 @@ class ModelRunner:
             return tokens
         least = int(self.world_group.all_reduce_host(torch.tensor([tokens], dtype=torch.int64), "min").item())
         if self.memory_plan is not None and least != tokens:
-            cp = self.cp_group.world_size if self.cp_group is not None else 1  # the plan counts one rank's tokens
-            self.memory_plan = dataclasses.replace(self.memory_plan, kv_tokens=least // cp)
+            # the plan counts one rank's tokens
+            self.memory_plan = dataclasses.replace(self.memory_plan, kv_tokens=least // self.cp_size)
             logger.info("KV capacity %d tokens: the least of the %d ranks (this one could hold %d)", least,
                         self.world_group.world_size, tokens)
         return least
@@ -202,7 +195,7 @@ class ModelRunner:
 
         sa = self.server_args
         module, cls = ATTENTION_BACKENDS[sa.nsa_decode_backend].split(":")
-        if (sa.disable_cuda_graph or self.cp_group is not None
+        if (sa.disable_cuda_graph or self.cp_size > 1
                 or not getattr(importlib.import_module(module), cls).supports_cuda_graph
                 or not get_moe_runner(sa.moe_runner_backend).supports_cuda_graph):
             return 0
@@ -219,7 +212,7 @@ class ModelRunner:
         from sglang.srt.layers.attention.nsa.triton_backend import CUDA_SCORE_BUDGET_MAX
 
         sa, mc = self.server_args, self.model_config
-        cp = self.cp_group.world_size if self.cp_group is not None else 1
+        cp = self.cp_size
         ctx = mc.context_len
         max_running = sa.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         step = max_step_tokens(sa, ctx)
@@ -242,7 +235,7 @@ class ModelRunner:
         first = self._plan_on_every_rank(lambda: plan(est.peak))  # fails before a profile that could not fit
         logger.info("activations of a %d-token step (KV width %d), from the config: %.2f GiB (peak in %s)",
                     step, ctx, est.peak / 2**30, est.peak_phase)
-        if self.cp_group is not None:
+        if cp > 1:  # the profile forward runs an unsplit batch: under CP the arithmetic alone
             return first
         from sglang.srt.model_executor.memory_profile import profile_step_peak
 
@@ -262,7 +255,7 @@ class ModelRunner:
                          max_total_num_tokens: int | None = None, extra_kv_bytes_per_token: int = 0,
                          extra_weight_bytes: int = 0, extra_reserve_bytes: int = 0) -> None:
         sa, mc = self.server_args, self.model_config
-        cp = self.cp_group.world_size if self.cp_group is not None else 1
+        cp = self.cp_size
         if req_to_token_pool is not None:  # a runner sharing another runner's slots (a draft)
             if token_to_kv_pool_allocator is None or max_total_num_tokens is None:
                 raise ValueError("a shared ReqToTokenPool needs its allocator and max_total_num_tokens")
@@ -285,14 +278,8 @@ class ModelRunner:
         self.max_running_requests = sa.max_running_requests or min(256, max(1, tokens // 2))
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests + 1, mc.context_len + 1, self.device)
         self.token_to_kv_pool = self._make_kv_pool(tokens // cp)
-        if cp > 1:
-            from sglang.srt.mem_cache.allocator import CPPagedTokenToKVPoolAllocator
-
-            # host slots: the CP split re-lays them out on the host before the upload
-            self.token_to_kv_pool_allocator = CPPagedTokenToKVPoolAllocator(tokens, self.page_size, cp,
-                                                                            sa.nsa_prefill_cp_mode, "cpu")
-        else:
-            self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(tokens, self.page_size, self.device)
+        self.token_to_kv_pool_allocator = make_token_allocator(tokens, self.page_size, cp, sa.nsa_prefill_cp_mode,
+                                                               self.device)
         kv_gib = self.token_to_kv_pool.get_kv_size_bytes() / 2**30
         logger.info("KV cache: %d tokens (page size %d, %.3f GiB, %d B/token, kv cache dtype %s), "
                     "max running requests %d", tokens, self.page_size, kv_gib,
@@ -327,12 +314,7 @@ class ModelRunner:
                                         and self.cuda_graph_runner.can_run(forward_batch))
         if self.last_forward_used_graph:
             return self.cuda_graph_runner.replay(forward_batch)
-        if self.cp_group is not None:
-            from sglang.srt.layers.attention.nsa.cp_backend import build_cp_forward_batch
-
-            forward_batch = build_cp_forward_batch(forward_batch, self.req_to_token_pool.req_to_token_cpu,
-                                                   self.cp_group, self.server_args.nsa_prefill_cp_mode,
-                                                   self.page_size, self.cp_counter)
+        forward_batch = self.attn_backend.prepare_batch(forward_batch)  # CP: this rank's share
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

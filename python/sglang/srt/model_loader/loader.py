@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.debug.hooks import install_debug_hooks
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
 from sglang.srt.layers.quantization.apply import (
     apply_quant_config,
@@ -120,7 +121,7 @@ def get_model(model_config: ModelConfig, device: str = "cpu", tp_group: GroupCoo
         logger.info("initialised %s with random (dummy) weights in %.1fs", model_config.architecture,
                     time.perf_counter() - t0)
         _log_weights(model, model_config, qc, counts if qc is not None else None, tp_group)
-        return model.eval()
+        return _ready(model)
     skip = getattr(model, "_ignored_weight", lambda name: False)
     # Drop unused tensors (e.g. the NextN layer) before dequantising them.
     weights = ((n, t) for n, t in iter_safetensors_weights(model_config.model_path) if not skip(n))
@@ -138,7 +139,14 @@ def get_model(model_config: ModelConfig, device: str = "cpu", tp_group: GroupCoo
     logger.info("loaded %s (%.2fM params, %s) in %.1fs", model_config.architecture, n_params / 1e6,
                 model_config.dtype, time.perf_counter() - t0)
     _log_weights(model, model_config, qc, counts if qc is not None else None, tp_group)
-    return model
+    return _ready(model)
+
+
+def _ready(model: nn.Module) -> nn.Module:
+    """The loaded model in eval mode, with the debug hooks the environment asks for (none unless a
+    debug variable is set: debug/hooks.py)."""
+    install_debug_hooks(model)
+    return model.eval()
 
 
 def _log_weights(model: nn.Module, model_config: ModelConfig, qc, counts: dict | None,

@@ -57,7 +57,7 @@ class DeepseekModelNextN(nn.Module):
         # prefill / verify); its own indexer scores otherwise (draft decode steps). What the layer
         # would pass on has no consumer: one draft layer.
         h, residual, _ = self.decoder(positions, self.eh_proj(x), None, forward_batch,
-                                      forward_batch.spec_topk_indices)
+                                      forward_batch.spec.topk_indices)
         forward_batch.token_to_kv_pool.on_layer_end(self.decoder.self_attn.layer_id)  # the draft pool's layer
         if h.shape[0] == 0:
             return h
@@ -80,14 +80,14 @@ class _NextNMixin:
         self.model = DeepseekModelNextN(config, self.target_arch, max_position, tp_group, dtype, ep_group,
                                         moe_dispatch)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group, dtype=dtype)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size, gather_cp_rows=False)  # rows as laid out
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        if forward_batch.spec_hidden_states is None:
-            raise ValueError("the NextN draft layer needs the target's hidden states (spec_hidden_states)")
-        h = self.model(input_ids, positions, forward_batch, forward_batch.spec_hidden_states)
+        if forward_batch.spec is None:
+            raise ValueError("the NextN draft layer needs the target's hidden states (ForwardBatch.spec)")
+        h = self.model(input_ids, positions, forward_batch, forward_batch.spec.hidden_states)
         return self.logits_processor(h, self.lm_head, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -21,13 +21,10 @@ from sglang.srt.configs.index_layers import (
     get_index_layer_schedule,
     layer_index_role,
 )
-from sglang.srt.debug import checks as debug_checks
-from sglang.srt.debug import kv_trace
 from sglang.srt.distributed.parallel_state import SINGLE_GROUP, GroupCoordinator
 from sglang.srt.layers import batch_invariant
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
-from sglang.srt.layers.attention.nsa.utils import assert_topk_matches_batch
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -43,9 +40,8 @@ from sglang.srt.layers.moe.topk import TopKConfig, select_experts
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, rope_parameters_of, yarn_softmax_scale_multiplier
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from sglang.srt.layers.attention.nsa.cp_backend import cp_all_gather_hidden, cp_collect_last_token_hidden
 from sglang.srt.layers.moe.moe_registry import create_dispatcher
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import check_weights_complete
 
 logger = logging.getLogger(__name__)
@@ -110,15 +106,8 @@ class DeepseekV2MoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, forward_batch: ForwardBatch | None = None) -> torch.Tensor:
-        cp = forward_batch.cp_metadata if forward_batch is not None else None
-        if cp is not None:
-            # CP compute padding: valid rows are interleaved with dummy lane rows. Only valid rows
-            # reach the gate, top-k and dispatch; the padded layout is restored afterwards.
-            out = torch.zeros_like(hidden_states)
-            return out.index_copy_(0, cp.valid_idx, self._forward(hidden_states.index_select(0, cp.valid_idx)))
-        return self._forward(hidden_states)
-
-    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`forward_batch`: what a wrapper of the block reads (under CP the block gets only the valid
+        rows of the rank's compute-padded layout: nsa/cp_backend.install_moe_compaction)."""
         topk = select_experts(self.gate(hidden_states), self.topk_config, self.gate.e_score_correction_bias)
         out = self.experts(hidden_states, topk)
         if self.shared_experts is not None:
@@ -127,8 +116,6 @@ class DeepseekV2MoE(nn.Module):
 
 
 class DeepseekV2AttentionMLA(nn.Module):
-    kv_tracer: "kv_trace.KVTracer | None" = None  # set only under SGLANG_CP_HICACHE_KV_TRACE=3
-
     def __init__(self, config, layer_id: int, indexer_rope_interleaved: bool, index_role: LayerIndexRole,
                  max_position: int, tp_group: GroupCoordinator = SINGLE_GROUP, dtype=None) -> None:
         super().__init__()
@@ -207,21 +194,14 @@ class DeepseekV2AttentionMLA(nn.Module):
         topk_indices = prev_topk_indices
         if self.indexer is not None and not (self.skip_topk and prev_topk_indices is not None):
             topk_indices = self.indexer(hidden_states, q_lora, positions, forward_batch)
-        else:
-            if self.indexer is not None:  # NextN given the target's top-k: keep its own index K whole
-                self.indexer.store_k(hidden_states, positions, forward_batch)
-            if topk_indices is not None and debug_checks.debug_checks_active():
-                assert_topk_matches_batch(topk_indices, forward_batch, self.layer_id)
-        if self.kv_tracer is not None:
-            self.kv_tracer.record_forward_rows("topk", self.layer_id, topk_indices)
+        elif self.indexer is not None:  # NextN given the target's top-k: keep its own index K whole
+            self.indexer.store_k(hidden_states, positions, forward_batch)
         attn = self.attn(q_nope, q_rope, latent, k_rope, forward_batch, topk_indices)
         out = self.o_proj(attn.reshape(t, self.num_local_heads * self.v_head_dim))
         return out, topk_indices if self.next_skip_topk else None
 
 
 class DeepseekV2DecoderLayer(nn.Module):
-    kv_tracer: "kv_trace.KVTracer | None" = None  # set only under SGLANG_CP_HICACHE_KV_TRACE=3
-
     def __init__(self, config, layer_id: int, arch: "type[DeepseekV2ForCausalLM]", max_position: int,
                  tp_group: GroupCoordinator = SINGLE_GROUP, dtype=None, is_nextn: bool = False,
                  kv_layer_id: int | None = None, ep_group: GroupCoordinator = SINGLE_GROUP,
@@ -248,15 +228,8 @@ class DeepseekV2DecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        tracer = self.kv_tracer
-        if tracer is not None:
-            tracer.record_forward_rows("attn_in", self.layer_id, hidden_states)
         hidden_states, topk_indices = self.self_attn(positions, hidden_states, forward_batch, prev_topk_indices)
-        if tracer is not None:
-            tracer.record_forward_rows("attn_out", self.layer_id, hidden_states)  # before the residual add
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        if tracer is not None:
-            tracer.record_forward_rows("moe_in", self.layer_id, hidden_states)
         if isinstance(self.mlp, DeepseekV2MoE):
             hidden_states = self.mlp(hidden_states, forward_batch)
         else:
@@ -287,7 +260,6 @@ class DeepseekV2Model(nn.Module):
             for i in range(config.num_hidden_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.kv_tracer = kv_trace.install_model_tracer(self)  # None unless SGLANG_CP_HICACHE_KV_TRACE=3
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
                 input_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -295,18 +267,11 @@ class DeepseekV2Model(nn.Module):
         IndexCache sharing is on, else None)."""
         hidden_states = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual, topk_indices = None, None
-        poison = debug_checks.cp_padding_poison(forward_batch)  # None unless debugging CP padding
         pool = forward_batch.token_to_kv_pool  # under CP the rank's own pool (views are per attention call)
-        if self.kv_tracer is not None:
-            self.kv_tracer.begin_forward(forward_batch)  # eager extend only; a no-op in decode / capture
         for layer in self.layers:
-            if poison is not None:
-                poison(hidden_states, residual)
             hidden_states, residual, topk_indices = layer(positions, hidden_states, residual, forward_batch,
                                                           topk_indices)
             pool.on_layer_end(layer.self_attn.layer_id)  # the layer's slot in the pool
-        if self.kv_tracer is not None:
-            self.kv_tracer.end_forward()
         if hidden_states.shape[0] == 0:
             return hidden_states, topk_indices
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -374,30 +339,8 @@ class DeepseekV2ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         hidden_states, topk_indices = self.model(input_ids, positions, forward_batch)
-        cp = forward_batch.cp_metadata
-        if cp is None:
-            out = self.logits_processor(hidden_states, self.lm_head, forward_batch)
-        elif self._should_use_narrow_output_path(cp.global_batch):
-            last = cp_collect_last_token_hidden(hidden_states, cp)
-            out = self.logits_processor(last, self.lm_head, cp.global_batch, pruned=True)
-            if forward_batch.capture_hidden_mode == CaptureHiddenMode.FULL_LOCAL:
-                out.hidden_states = hidden_states  # this rank's rows, in its CP layout
-        else:
-            out = self.logits_processor(cp_all_gather_hidden(hidden_states, cp), self.lm_head, cp.global_batch)
-            if topk_indices is not None and forward_batch.capture_hidden_mode == CaptureHiddenMode.FULL:
-                topk_indices = cp_all_gather_hidden(topk_indices, cp)  # in the order of the hidden states
-        if forward_batch.capture_hidden_mode in (CaptureHiddenMode.FULL, CaptureHiddenMode.FULL_LOCAL):
-            out.topk_indices = topk_indices
-        return out
-
-    @staticmethod
-    def _should_use_narrow_output_path(forward_batch: ForwardBatch) -> bool:
-        """Under CP only each request's last-token hidden state is gathered, unless something needs
-        every position: input logprobs, all logits, or full hidden-state capture (EAGLE draft extend)."""
-        wants_input_logprobs = forward_batch.return_logprob and forward_batch.forward_mode.is_extend() and any(
-            s >= 0 for s in forward_batch.logprob_start_lens_cpu)
-        return not (wants_input_logprobs or forward_batch.return_all_logits
-                    or forward_batch.capture_hidden_mode == CaptureHiddenMode.FULL)
+        # under CP the logits processor gathers the rows it needs (CPMetadata.logits_output)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch, topk_indices)
 
     # -- weights ------------------------------------------------------------------------------
     def _ignored_weight(self, name: str) -> bool:

@@ -37,7 +37,7 @@ Prefill CP: the target's prefill returns its hidden states / top-k in the rank's
 them: no rank materialises the full hidden states (unless a request of the batch returns them:
 then they are gathered and the draft extend follows the pages' owners), and the draft writes only the rank's pages of
 its own pool (SGLANG_CP_DRAFT_SHARED_KV_DEBUG=1 logs it). Forwards over rows a verify allocated
-(draft steps, the accepted rows) follow those rows' pages (`cp_split_by_slot_owner`). A draft
+(draft steps, the accepted rows) follow those rows' pages (`cp.split_by_slot_owner`). A draft
 cache-hit extend is computed like any extend over the full cached context (this backend has no
 partial current-KV reuse to disable), and nothing is prefetched for a next layer.
 """
@@ -56,7 +56,13 @@ from sglang.srt.managers.scheduler_output_processor import BatchOutputCopy, Gene
 from sglang.srt.managers.tp_worker import BaseTpWorker, ReqState, TpModelWorker
 from sglang.srt.mem_cache.memory_pool import KVCache
 from sglang.srt.model_executor.cuda_graph_runner import GraphSpec, StaticInput
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    CPBatchInfo,
+    ForwardBatch,
+    ForwardMode,
+    SpecInput,
+)
 from sglang.srt.model_executor.memory_plan import draft_memory_needs
 from sglang.srt.model_executor.model_runner import ModelRunner, kv_bytes_per_token
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -96,7 +102,7 @@ def draft_decode_spec(draft_config: ModelConfig) -> GraphSpec:
     hidden state as a static input, its own last hidden state as an extra output."""
     hidden = draft_config.hf_config.hidden_size
     return GraphSpec("draft_decode", ForwardMode.DECODE, 1,
-                     extra_inputs=(StaticInput("spec_hidden_states", (hidden,), draft_config.dtype),),
+                     extra_inputs=(StaticInput("spec.hidden_states", (hidden,), draft_config.dtype),),
                      extra_outputs=("hidden_states",), capture_hidden_mode=CaptureHiddenMode.LAST)
 
 
@@ -236,11 +242,11 @@ class EAGLEWorker(BaseTpWorker):
         """`topk`: the target's last-layer top-k of these rows (IndexCache sharing on), which the
         draft layer reuses. `rows_local`: hidden / top-k are in this rank's CP layout, from the
         target's forward of this very batch (so the same split); otherwise the rows are part of
-        a verify's and follow its pages (cp_split_by_slot_owner)."""
+        a verify's and follow its pages (cp.split_by_slot_owner)."""
         fb = ForwardBatch.build(ForwardMode.EXTEND, ids, [r.req_pool_idx for r in reqs], prefix_lens, extend_lens,
                                 out_cache_loc, device=self.device, capture_hidden_mode=CaptureHiddenMode.LAST,
-                                spec_hidden_states=hidden, spec_topk_indices=topk, spec_rows_local=rows_local,
-                                cp_split_by_slot_owner=not rows_local)
+                                spec=SpecInput(hidden, topk, rows_local),
+                                cp=CPBatchInfo(split_by_slot_owner=not rows_local))
         fb.input_ids = self.token_table.resolve(fb.input_ids, fb.req_pool_indices[fb.token_to_req])
         self._set_host_ids(fb)
         lo = self.draft_runner.forward(fb)
@@ -302,7 +308,7 @@ class EAGLEWorker(BaseTpWorker):
         # 1. draft chain (step k at position c + k - 1)
         def chain_batch(k: int, ids: torch.Tensor, hidden: torch.Tensor) -> ForwardBatch:
             return ForwardBatch.build_decode_rows(ids, slots, pos[:, k - 1], loc[:, k - 1], [x - n + k for x in bound],
-                                                  capture_hidden_mode=CaptureHiddenMode.LAST, spec_hidden_states=hidden)
+                                                  capture_hidden_mode=CaptureHiddenMode.LAST, spec=SpecInput(hidden))
 
         drafts = self._draft_chain(reqs, slots, chain_batch, lambda: base.tolist())  # (the test hook may read)
         # 2. verify [x, d1..dS] (target_verify_spec: CUDA graphs)
@@ -318,7 +324,7 @@ class EAGLEWorker(BaseTpWorker):
         # step before anything reads them -- and the next d1 / hidden come from row `accepted`.
         fb = ForwardBatch.build_decode_rows(picks.reshape(-1), rows, pos.reshape(-1), loc.reshape(-1), row_bounds,
                                             capture_hidden_mode=CaptureHiddenMode.LAST,
-                                            spec_hidden_states=lo.hidden_states, spec_topk_indices=lo.topk_indices)
+                                            spec=SpecInput(lo.hidden_states, lo.topk_indices))
         fb.logits_row_indices = torch.arange(b, device=dev) * n + accepted
         dlo = self.draft_runner.forward(fb)
         self.next_draft[slots] = draft_token_ids(dlo.next_token_logits, self.hot_token_id)
@@ -339,7 +345,7 @@ class EAGLEWorker(BaseTpWorker):
         def chain_batch(k: int, ids: torch.Tensor, hidden: torch.Tensor) -> ForwardBatch:
             fb = ForwardBatch.build(ForwardMode.DECODE, ids, rows, [c + k - 1 for c in batch.prefix_lens], [1] * b,
                                     loc[:, k - 1], device=self.device, capture_hidden_mode=CaptureHiddenMode.LAST,
-                                    spec_hidden_states=hidden, cp_split_by_slot_owner=True)
+                                    spec=SpecInput(hidden), cp=CPBatchInfo(split_by_slot_owner=True))
             self._set_host_ids(fb)
             return fb
 
@@ -369,7 +375,7 @@ class EAGLEWorker(BaseTpWorker):
         one.out_cache_loc = batch.out_cache_loc.view(b, n)[:, 0].contiguous()
         one.input_ids, one.sampling_info = [FUTURE_TOKEN] * b, batch.sampling_info
         fb = t.build_forward_batch(one)
-        fb.cp_split_by_slot_owner = True  # row 0 of each request's verify allocation
+        fb.cp.split_by_slot_owner = True  # row 0 of each request's verify allocation
         t.resolve_input_ids(fb)
         fb.capture_hidden_mode = CaptureHiddenMode.FULL
         lo = t.model_runner.forward(fb)

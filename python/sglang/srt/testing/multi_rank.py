@@ -47,7 +47,7 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
 
     sched = _scheduler(case, world_size, group)
     sa = sched.server_args
-    from sglang.srt.layers.attention.nsa.cp_backend import DRAFT_KV_DEBUG_RECORDS as debug_records
+    from sglang.srt.layers.attention.nsa.cp_batch import DRAFT_KV_DEBUG_RECORDS as debug_records
 
     n_debug_before = len(debug_records)  # SGLANG_CP_DRAFT_SHARED_KV_DEBUG records of this case only
     out: dict = {}
@@ -84,8 +84,8 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
         out.clear()
         step_s.clear()
         layer_ends.clear()
-        if sched.tp_worker.model_runner.cp_counter is not None:
-            sched.tp_worker.model_runner.cp_counter.elements.clear()
+        if sched.tp_worker.model_runner.attn_backend.comm_counter is not None:
+            sched.tp_worker.model_runner.attn_backend.comm_counter.elements.clear()
     submit(case.prompts, "p")
     drain()
     if case.followups:
@@ -123,10 +123,11 @@ def _scheduler(case: Case, world_size: int, group):
 def _stats(sched, step_s: list[float], layer_ends: list[int]) -> dict:
     """What the equivalence tests compare besides tokens: leaks, cache hits, CP traffic, pages."""
     mr = sched.tp_worker.model_runner
+    counter = mr.attn_backend.comm_counter  # CP: the collectives' element counts
     return {"kv_leak": sched.kv_leak_report(), "step_s": step_s,
             "cached_tokens": sched.prefill_manager.num_cached_tokens,
             "cache_stats": dict(getattr(sched.tree_cache, "stats", {})), "layer_ends": layer_ends,
-            "comm": dict(mr.cp_counter.elements) if mr.cp_counter is not None else {},
+            "comm": dict(counter.elements) if counter is not None else {},
             "pool_slots": mr.token_to_kv_pool.size, "capacity": sched.max_total_num_tokens,
             # pages each rank stores now (the prefix cache keeps the finished requests' KV)
             "owned_pages": getattr(mr.token_to_kv_pool_allocator, "owned_pages", lambda: None)(),

@@ -24,13 +24,13 @@ from sglang.srt.model_executor.cuda_graph_runner import (
     StaticInput,
     cuda_graph_decision,
 )
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, SpecInput
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
 HIDDEN, VOCAB, KV_SLOTS, PAD_SLOT = 3, 5, 64, 8
 VERIFY = GraphSpec("verify2", ForwardMode.EXTEND, tokens_per_req=2,
-                   extra_inputs=(StaticInput("spec_hidden_states", (HIDDEN,), torch.float32, pad=-1.0),),
+                   extra_inputs=(StaticInput("spec.hidden_states", (HIDDEN,), torch.float32, pad=-1.0),),
                    extra_outputs=("hidden_states",))
 
 
@@ -64,12 +64,12 @@ class FakeModel:
         read = self.kv[self.req_to_token[fb.req_pool_indices[r], positions]]  # reads the KV it may use
         row = (input_ids * 1000 + positions * 100 + fb.req_pool_indices[r] * 10 + fb.seq_lens[r]
                + fb.extend_prefix_lens[r]).float() + read
-        if fb.spec_hidden_states is not None:
-            row = row + fb.spec_hidden_states.sum(-1)
+        if fb.spec is not None:
+            row = row + fb.spec.hidden_states.sum(-1)
         logits = row[:, None] + torch.arange(VOCAB)
         if fb.forward_mode == ForwardMode.DECODE:  # one row per request, as the logits processor gives
             return LogitsProcessorOutput(next_token_logits=logits)
-        hidden = fb.spec_hidden_states * 2 + positions[:, None]
+        hidden = fb.spec.hidden_states * 2 + positions[:, None]
         return LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden)  # every token's row
 
 
@@ -86,7 +86,7 @@ def _batch(mode: ForwardMode, n: int, reqs: list[int], prefix: list[int], seed: 
     loc = torch.randperm(KV_SLOTS - 1, generator=g)[:t] + 1  # never the padding slot 0
     fb = ForwardBatch.build(mode, ids, reqs, prefix, [n] * len(reqs), loc)
     if n > 1:
-        fb.spec_hidden_states = torch.randn(t, HIDDEN, generator=g)
+        fb.spec = SpecInput(torch.randn(t, HIDDEN, generator=g))
     return fb
 
 
@@ -120,7 +120,7 @@ def test_specs_are_captured_per_bucket_and_replay_like_eager():
     b = runner.buffers[VERIFY].inputs
     assert b["req_pool_indices"][3].item() == PAD_SLOT and b["seq_lens"][3].item() == 2
     assert b["out_cache_loc"][6:8].tolist() == [0, 0] and b["positions"][6:8].tolist() == [0, 1]
-    assert b["spec_hidden_states"][6:8].eq(-1).all()  # the StaticInput's pad value
+    assert b["spec.hidden_states"][6:8].eq(-1).all()  # the StaticInput's pad value
     assert ("replay", ForwardMode.EXTEND, 4) in mr.attn_backend.calls
 
 

@@ -56,3 +56,16 @@ def create_hybrid_backend(prefill: str, decode: str, model_runner) -> "Attention
 
     p = create_attn_backend(prefill, model_runner)
     return p if prefill == decode else HybridAttnBackend(p, create_attn_backend(decode, model_runner))
+
+
+def create_runner_backend(model_runner) -> "AttentionBackend":
+    """A model runner's backend: the --nsa-prefill-backend / --nsa-decode-backend pair, wrapped by
+    the context-parallel backend when the runner's ranks run attention CP (`cp_group`), which then
+    re-lays each batch out through `prepare_batch`."""
+    sa = model_runner.server_args
+    backend = create_hybrid_backend(sa.nsa_prefill_backend, sa.nsa_decode_backend, model_runner)
+    if model_runner.cp_group is None:
+        return backend
+    from sglang.srt.layers.attention.nsa.cp_backend import NSAContextParallelBackend
+
+    return NSAContextParallelBackend.for_runner(backend, model_runner)

@@ -1,6 +1,9 @@
 """The attention backend seam.
 
 Rules every backend follows:
+- `prepare_batch(forward_batch)` runs first, on the host: the batch the forward runs on. A plain
+  backend returns it as it is; a wrapping backend may re-lay it out (context parallel: this rank's
+  share of the tokens, nsa/cp_backend.py), so the model runner needs no mode of its own.
 - `init_forward_metadata(forward_batch)` runs once per forward, before the model, after the
   scheduler's req_to_token writes reached the device. It builds everything the layers need
   (attention *and* the DSA indexer) from the batch's tensors and host lists; it never reads a
@@ -32,6 +35,10 @@ if TYPE_CHECKING:
 
 class AttentionBackend(ABC):
     supports_cuda_graph: bool = False
+    comm_counter = None  # context parallel: the elements its collectives moved (tests, stats)
+
+    def prepare_batch(self, forward_batch: "ForwardBatch") -> "ForwardBatch":
+        return forward_batch
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None: ...

@@ -8,15 +8,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import torch
-
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
-
-class StaleTopkError(RuntimeError):
-    pass
-
-
 # Upstream's knob (both spellings): requests with at most this many keys prefill through dense MHA.
 DENSE_PREFILL_ENV = ("SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD", "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD")
 
@@ -68,19 +59,6 @@ def dense_prefill_rule(model_config, deterministic: bool) -> DensePrefillRule:
     off = deterministic or not topk or not (model_config.qk_nope_head_dim and model_config.v_head_dim)
     return DensePrefillRule(0 if off else value, model_config.kv_lora_rank,
                             model_config.qk_nope_head_dim, model_config.qk_rope_head_dim, model_config.v_head_dim)
-
-
-def assert_topk_matches_batch(topk: torch.Tensor, forward_batch: ForwardBatch, layer_id: int) -> None:
-    """A shared IndexCache layer's inherited top-k must belong to this batch's layout: one row per
-    token of this forward, every index -1 or a causal position of that token's own request."""
-    if topk.dim() != 2 or topk.shape[0] != forward_batch.num_tokens:
-        raise StaleTopkError(f"layer {layer_id}: top-k has shape {tuple(topk.shape)} for a batch of "
-                             f"{forward_batch.num_tokens} tokens (indices from another batch or layout)")
-    bad = (topk >= 0) & (topk.long() > forward_batch.positions[:, None])
-    if bool(bad.any()):
-        row = int(bad.any(dim=1).nonzero()[0])
-        raise StaleTopkError(f"layer {layer_id}: token {row} (position {int(forward_batch.positions[row])}) "
-                             f"inherits non-causal top-k {topk[row][bad[row]].tolist()[:4]}")
 
 
 # -- context parallel: a rank's compute layout (the page map and the split: mem_cache.cp_page_map)

@@ -94,7 +94,7 @@ for step in $steps; do
         2>&1 | grep -v "^  " | tail -12 | tee "$OUT/memplan-e2e.txt" ;;
     bench-dense)  # issue 31 item 4: single-prompt prefill, dense MHA for short prompts vs the sparse path
       timeout ${BENCH_TIMEOUT:-300} python3 benchmark/e2e/bench_e2e_vs_hf.py --layers ${DENSE_LAYERS:-2} --out-dir "$OUT" \
-        --experts 16 --sides ours,ours_sparse --batch-sizes 1 --gen-lens 8 --prefill-lens 1024,2048,4096 \
+        --experts 16 --sides ours,ours_sparse --batch-sizes 1 --gen-lens 2,4 --prefill-lens 1024,2048,4096 \
         2>&1 | grep -v "^  " | tail -12 | tee "$OUT/bench-dense.txt" ;;
     parity)  # our model on cuda vs transformers on cpu (fp32)
       SGLANG_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider \

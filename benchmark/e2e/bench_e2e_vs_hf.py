@@ -303,6 +303,8 @@ def main() -> None:
             args.chunked_prefill_size = 32  # the 64-token prefill runs as 2 chunks
     args.batch_sizes = [int(x) for x in str(args.batch_sizes).split(",")]
     args.gen_lens = [int(x) for x in str(args.gen_lens).split(",")]
+    if len(set(args.gen_lens)) < 2:  # the marginal decode step is the difference of two lengths
+        p.error(f"--gen-lens {','.join(map(str, args.gen_lens))}: give two different lengths, e.g. 32,64")
     args.prefill_lens = [int(x) for x in str(args.prefill_lens).split(",")]
     if args.side:  # child: one side, JSON on stdout
         if args.side in ("hf", "hf_eager"):

@@ -295,3 +295,19 @@ def test_host_eviction_is_lru_over_host_only_leaves():
     assert h.cache.match_prefix(b).host_hit_length == 0 and h.host_visible(c) == 16
     h.cache.check_invariants()
     assert h.cache.host_leak_report() is None
+
+
+def test_check_invariants_names_a_node_without_a_copy():
+    """The checker the other tests lean on must fire: a host-only node that loses its host copy."""
+    from sglang.srt.mem_cache.hiradix_cache import CacheInvariantError
+
+    h = Harness()
+    h.cache.backup = NullBackup()
+    h.cache.cache_finished_req(h.req(_tokens(16, 100)))
+    h.settle()
+    assert h.cache.evict(10**6) == 16  # host-only now
+    h.cache.check_invariants()
+    node = next(x for x in h.cache._all_nodes() if x is not h.cache.root)
+    node.host_value = None
+    with pytest.raises(CacheInvariantError, match="neither a device nor a host copy"):
+        h.cache.check_invariants()

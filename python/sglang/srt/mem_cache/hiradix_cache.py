@@ -405,15 +405,20 @@ class HiRadixCache(StorageOps, RadixCache):
         return None
 
     def check_invariants(self) -> None:
+        """Raise CacheInvariantError at the first node that breaks the tree's device / host rules."""
         for x in self._all_nodes():
             if x is self.root:
                 continue
             if not x.on_device and x.host_value is None:
-                raise AssertionError(f"node {x.id} has neither a device nor a host copy")
+                raise CacheInvariantError(f"node {x.id} has neither a device nor a host copy")
             if x.on_device and x.parent is not self.root and not x.parent.on_device:
-                raise AssertionError(f"device node {x.id} under host-only parent {x.parent.id}")
+                raise CacheInvariantError(f"device node {x.id} under host-only parent {x.parent.id}")
             if x.lock_ref and not x.on_device:
-                raise AssertionError(f"host-only node {x.id} is locked")
+                raise CacheInvariantError(f"host-only node {x.id} is locked")
+
+
+class CacheInvariantError(RuntimeError):
+    """A node breaks the device / host rules of the tree (a bug in the cache, never a user error)."""
 
 
 def page_prefix_hashes(token_ids: list[int], page_size: int, start: int = 0) -> list[str]:

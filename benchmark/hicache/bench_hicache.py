@@ -186,8 +186,8 @@ def bench_copy(args, hi) -> dict:
                     t1 = time.perf_counter()
                     t = t1 - t0
                     tl = {**op.timeline, "woken": t1}
-                    for name, a, b in (("plan", "submit", "planned"), ("handoff", "planned", "start"),
-                                       ("enqueue", "start", "queued"), ("copy_wait", "queued", "synced"),
+                    for name, a, b in (("handoff", "submit", "start"), ("plan", "start", "planned"),
+                                       ("enqueue", "planned", "queued"), ("copy_wait", "queued", "synced"),
                                        ("wake", "finish", "woken")):
                         if a in tl and b in tl:
                             phases.setdefault(f"{op.kind}_{name}_us", []).append((tl[b] - tl[a]) * 1e6)
@@ -208,7 +208,7 @@ def bench_copy(args, hi) -> dict:
                             fin.set()
                     _sync()
                     t0 = time.perf_counter()
-                    runs = ctl.plan(h, s)  # once per forward, as the backup reservation does
+                    runs = ctl.plan_later(h, s)  # once per forward, as the backup reservation does
                     for lid in range(pool.layer_num):
                         ctl.backup_layer(0, lid, s, h, None, done, runs)
                     if not fin.wait(600) or errs:

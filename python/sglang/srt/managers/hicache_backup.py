@@ -68,7 +68,7 @@ class BackupReservation:
         self.state = BackupState.RESERVED
         self.nodes: list = []  # attached tree nodes (pinned)
         self.page_keys: list[str] | None = None  # content keys for the KV trace / L3 (when one is set)
-        self.runs = None  # the controller's PageRuns of these slots, shared by every layer's copy
+        self.runs = None  # the controller's PagePlan of these slots, shared by every layer's copy
         self.attached = False
 
     # -- transitions ------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ class AsyncBackup:
             r = BackupReservation(key, start, dev, host, self.expected)
             r.rid = req.rid
             ctl = self.controller
-            r.runs = ctl.plan(host, dev)  # once: every layer's backup copies the same page runs
+            r.runs = ctl.plan_later(host, dev)  # one plan, made on the write thread, for every layer
             r.page_keys = (page_prefix_hashes(key, self.cache.page_size, start)
                            if ctl.trace is not None or ctl.storage is not None else None)
             self.stats["reserved"] += 1

@@ -30,8 +30,8 @@ class TransferOp:
     error: BaseException | None = None
     on_done: Callable[["TransferOp"], None] | None = None
     nodes: list = field(default_factory=list)  # radix nodes the op pins (owned by the cache)
-    # perf_counter stamps of the op's phases (submitted, planned, started on the copy thread,
-    # synced, finished): where an op's time goes beyond the copies (bench_hicache.py reads them)
+    # perf_counter stamps of the op's phases (submitted, started on the copy thread, planned there,
+    # copies queued, synced, finished): where an op's time goes beyond the copies (bench_hicache.py)
     timeline: dict[str, float] = field(default_factory=dict)
 
 

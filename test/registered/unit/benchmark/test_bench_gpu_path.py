@@ -90,3 +90,16 @@ def test_cp_bench_smoke(tmp_path):
     assert {(r["cp"], r["len"]) for r in result["rows"]} == {(1, 48), (1, 96), (2, 48), (2, 96)}
     assert all(r["narrow_gather_elems"] > 0 for r in result["rows"] if r["cp"] == 2)
     assert (tmp_path / "cp_prefill_cpu.png").stat().st_size > 0
+
+
+def test_hicache_bench_smoke(tmp_path):
+    """bench_hicache.py on CPU: every backend x layout x map round-trips exactly, each op's phases are
+    stamped (hand-off, plan on the copy thread, enqueue, copy wait, wake), the goals block is written."""
+    _run([str(_ROOT / "benchmark/hicache/bench_hicache.py"), "--smoke", "--out-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "hicache_cpu.json").read_text())
+    rows = result["copy"]["rows"]
+    assert rows and all(r["round_trip_exact"] for r in rows)
+    for kind in ("backup", "load"):
+        for phase in ("handoff", "plan", "enqueue", "copy_wait", "wake"):
+            assert all(r[f"{kind}_{phase}_us"] >= 0 for r in rows), (kind, phase)
+    assert {"copy_ratio_min", "host_hit_speedup", "backup_overhead", "reload_exact", "met"} <= set(result["goals"])

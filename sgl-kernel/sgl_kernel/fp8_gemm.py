@@ -34,6 +34,7 @@ import triton.language as tl
 from sgl_kernel import fp8_tables
 from sgl_kernel.fp8_quant import (FP8_SCALE_EPS, block_dequant, dequant_groups, per_token_group_quant_fp8,
                                   per_token_group_quant_fp8_ref)
+from sgl_kernel.moe import _tile_ids
 from sgl_kernel.utils import dot_precision, fit_stages, patch_interpreter
 
 patch_interpreter()
@@ -129,13 +130,7 @@ def _w8_block_gemm_kernel(X, XS, W, WS, Y, P, BIAS, M, N, K,
     """A_MODE 0: X model dtype, W8A16; 1: X model dtype, quantised per tile here; 2: X fp8 codes, XS scales.
     SPLIT_K is a run-time value (one binary for every split); PARTIAL: store fp32 partials of split sk."""
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = _tile_ids(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     sk = tl.program_id(1)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -197,13 +192,7 @@ def _w8a8_tma_kernel(a_desc, b_desc, XS, WS, Y, BIAS, M, N, K, stride_xsm, strid
     """A_MODE 2 of `_w8_block_gemm_kernel` with the fp8 tiles fetched through tensor descriptors (zero
     fill past the edges, as the masked loads); the same sum: acc += dot(a, b) * s_x * s_w per K block."""
     pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = _tile_ids(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     safe_n = (offs_n % N).to(tl.int64)

@@ -323,11 +323,14 @@ def mooncake_master(tmp_path_factory):
     # the wheel installs it on PATH (venv bin/) and inside the package: the latter works unactivated
     binary = shutil.which("mooncake_master") or os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
     assert os.access(binary, os.X_OK), "mooncake_master not found (installed by mooncake-transfer-engine-non-cuda)"
-    rpc, http = _free_port(), _free_port()
+    # every port its own: another xdist worker's master (test_hicache_l3) may run at the same time,
+    # and the metrics server's default 9003 would clash
+    rpc, http, metrics = _free_port(), _free_port(), _free_port()
     log = tmp_path_factory.mktemp("mooncake") / "master.log"
     proc = subprocess.Popen([binary, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
                              "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                             f"--http_metadata_server_port={http}"],
+                             f"--http_metadata_server_port={http}", f"--metrics_port={metrics}",
+                             "--metrics_host=127.0.0.1"],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while True:  # poll until both ports accept connections

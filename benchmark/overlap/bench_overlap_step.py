@@ -11,7 +11,9 @@ Real DeepSeek-V3.2 layer shapes (transformers' config), random weights, `--layer
     python benchmark/overlap/bench_overlap_step.py --layers 2 --experts 16 --out-dir /tmp/out
     python benchmark/overlap/bench_overlap_step.py --smoke       # tiny shapes on CPU: exercises the script
 
-Goal (issue 29): overlap step <= 1.1x the GPU busy time at batch 1 and 64.
+Goal (issue 29): overlap step <= 1.1x the GPU busy time at batch 1 and 64. `--modes eagle` times a
+speculative step the same way (the config then gets one MTP layer; natural drafts: a step's shapes,
+and so its cost, do not depend on what it accepts).
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ COPY_CALLS = ("cudaMemcpyAsync",)
 
 
 MODES = {"overlap": {}, "sync": {"disable_overlap_schedule": True},
-         "det": {"enable_deterministic_inference": True}}  # det: overlap + batch-invariant kernels
+         "det": {"enable_deterministic_inference": True},  # det: overlap + batch-invariant kernels
+         # eagle: a speculative step (3 draft steps, a 4-row verify, the draft extend) under overlap;
+         # its shapes are fixed by the batch, so its wall vs GPU busy does not depend on acceptance
+         "eagle": {"speculative_algorithm": "EAGLE", "speculative_num_steps": 3}}
 
 
 def _engine(path: str, args, mode: str):
@@ -209,7 +214,8 @@ def main() -> None:
     args.steps = min(args.steps, args.gen_len - 8)
     args.profile_steps = min(args.profile_steps, args.gen_len - args.steps - 6)
     args.trace_steps = max(1, min(args.trace_steps, args.gen_len - args.steps - args.profile_steps - 5))
-    path = make_config_dir(args.shape, args.layers, args.smoke, n_routed_experts=args.experts)
+    extra = {"num_nextn_predict_layers": 1} if "eagle" in args.modes.split(",") else {}
+    path = make_config_dir(args.shape, args.layers, args.smoke, n_routed_experts=args.experts, **extra)
     result = {"shape": args.shape, "layers": args.layers, "experts": args.experts, "device": args.device,
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "modes": {}}
     for mode in args.modes.split(","):

@@ -7,8 +7,12 @@ Random weights accept (almost) nothing, so both ends are measured with the draft
   accepted, `num_steps + 1` tokens per verify (goal on the H200: >= 2.5x plain at batch 1,
   >= 1.8x at batch 16);
 - `natural`: the draft as it is (random weights: reported, not a goal).
-Decode throughput = batch x new tokens / wall time of generate (prefill included, as plain's).
-Plain and each speculative mode alternate per repeat; medians. JSON + a plot + a table.
+Two throughputs, each engine against itself: `tok_s` = batch x new tokens / wall time of generate
+(prefill included), and `decode_tok_s` = batch x (new tokens - 1) / (that wall time - the wall time
+of the same prompts with max_new_tokens=1, timed in the same repeat): the decode rate, which is what
+speculative decoding changes (the prefill is the same work, plus the draft's extend). `speedup` and
+`decode_speedup` are the ratios to plain's. Plain and each speculative mode alternate per repeat;
+medians. JSON + a plot + a table.
 
     python benchmark/speculative/bench_speculative.py                      # CPU, builtin MTP model
     python benchmark/speculative/bench_speculative.py --device cuda --model-path DIR_WITH_MTP --load-format dummy
@@ -164,11 +168,16 @@ def run(args) -> dict:
         targets = {tuple(p): o["output_ids"] for p, o in zip(prompts, ref)}
         check = check_outputs(plain, spec, worker, prompts, sp, targets, args.deterministic)
         times = {"plain": []} | {m: [] for m in MODES}
+        prefill_t = {"plain": [], "spec": []}
+        sp1 = {**sp, "max_new_tokens": 1}
         accept = {}
         for m in MODES:
             worker.draft_override = None if m == "natural" else forced_drafts(targets, m)
             _timed(spec, prompts, sp, args.device)  # warm-up of this mode
         for _ in range(args.repeats):
+            prefill_t["plain"].append(_timed(plain, prompts, sp1, args.device)[0])
+            worker.draft_override = None
+            prefill_t["spec"].append(_timed(spec, prompts, sp1, args.device)[0])
             times["plain"].append(_timed(plain, prompts, sp, args.device)[0])
             for m in MODES:
                 worker.draft_override = None if m == "natural" else forced_drafts(targets, m)
@@ -189,7 +198,12 @@ def run(args) -> dict:
         ratio["draft_over_target"] = (ratio["draft_step_ms"] / ratio["target_verify_ms"]
                                       if ratio["draft_step_ms"] and ratio["target_verify_ms"] else None)
         med = {k: statistics.median(v) for k, v in times.items()}
+        pre = {k: statistics.median(v) for k, v in prefill_t.items()}
+        dec = {k: bs * (args.gen_len - 1) / max(v - pre["plain" if k == "plain" else "spec"], 1e-9)
+               for k, v in med.items()}
         row = {"tok_s": {k: bs * args.gen_len / v for k, v in med.items()}, "seconds": med,
+               "decode_tok_s": dec, "prefill_seconds": pre,
+               "decode_speedup": {m: dec[m] / dec["plain"] for m in MODES},
                "forced_drafts_from": "plain" if args.deterministic else "speculative natural output",
                "accept_length": accept, "step_ratio": ratio, "output_check": check,
                "speedup": {m: med["plain"] / med[m] for m in MODES}}
@@ -234,7 +248,7 @@ def main() -> None:
                    help="without a token map: draft over the K lowest token ids (FR-Spec stand-in); 0 = full vocab")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--gen-len", type=int, default=48)
+    p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-total-tokens", type=int, default=32768)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (checks the script, not speed)")
@@ -267,12 +281,15 @@ def main() -> None:
     except ImportError:
         print("matplotlib not installed: JSON only", file=sys.stderr)
     print(f"{'bs':>4s} {'plain tok/s':>12s} " + " ".join(f"{m + ' tok/s':>14s} {'x':>5s} {'acc':>4s}" for m in MODES)
-          + f" {'draft/target':>12s}")
+          + f" {'draft/target':>12s}   (generate, prefill included)")
     for bs, row in result["batches"].items():
         r = row["step_ratio"]["draft_over_target"]
         print(f"{bs:>4} {row['tok_s']['plain']:12.1f} " + " ".join(
             f"{row['tok_s'][m]:14.1f} {row['speedup'][m]:5.2f} {row['accept_length'][m]:4.1f}" for m in MODES)
             + f" {r if r is None else round(r, 3)!s:>12}")
+        print(f"     decode only: plain {row['decode_tok_s']['plain']:.1f} tok/s, " + ", ".join(
+            f"{m} {row['decode_tok_s'][m]:.1f} ({row['decode_speedup'][m]:.2f}x)" for m in MODES)
+            + f"; prefill {1e3 * row['prefill_seconds']['plain']:.1f} / {1e3 * row['prefill_seconds']['spec']:.1f} ms")
         c = row["output_check"]
         print(f"     outputs vs plain: {c['rule']} (tolerance {c['tolerance_nats']:.2e} nats, noise "
               f"{c['noise_nats']:.2e}); requests parting at a near-tie: {c['requests_parting_at_a_near_tie']}")

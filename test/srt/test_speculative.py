@@ -122,6 +122,43 @@ def test_greedy_equals_plain_with_random_right_and_wrong_drafts(engine_kw):
     _whole(spec)
 
 
+def test_forced_decode_step_reads_nothing_back():
+    """A speculative decode step reads nothing back to the host, forced drafts included: the forced
+    drafts (the benchmark's right / wrong modes) gather on the device, so a forced step keeps the
+    overlap a natural one has (their host read of the KV lengths once waited for the step in
+    flight every step and exposed the launches: bench_speculative timed the hook). Output equals
+    plain's with every draft accepted. The model forwards run unguarded (their own no-sync test is
+    test_triton_backends.py; the CPU MoE reference reads routing back): this checks the step's glue."""
+    from sglang.srt.testing.sync_guard import host_sync_allowed, no_host_sync
+
+    prompts = _prompts(3)
+    params = [{"temperature": 0, "max_new_tokens": 9 + 4 * i, "ignore_eos": True} for i in range(3)]
+    ref = _engine(False).generate(input_ids=prompts, sampling_params=params)
+    spec = _engine(True)
+    worker = spec.scheduler.tp_worker
+    decode, steps = worker._decode, []
+
+    def guarded(batch):
+        with no_host_sync():
+            out = decode(batch)
+        steps.append(len(batch.reqs))
+        return out
+
+    worker._decode = guarded
+    for runner in (worker.target.model_runner, worker.draft_runner):
+        def forward(fb, _orig=runner.forward):
+            with host_sync_allowed():
+                return _orig(fb)
+        runner.forward = forward
+    for mode in ("right", "mixed"):
+        worker.draft_override = forced_drafts({tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}, mode)
+        worker.num_verify_steps = worker.num_accepted_drafts = 0
+        outs = spec.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref], mode
+        assert steps and worker.avg_accept_length >= (3.0 if mode == "right" else 1.2), mode
+    _whole(spec)
+
+
 def test_default_mode_verify_within_tolerance():
     """Without --enable-deterministic-inference (the default; on a GPU verify rows and plain rows run
     other GEMM kernels): every speculative output -- natural, forced right / wrong / mixed drafts --

@@ -265,8 +265,8 @@ class EAGLEWorker(BaseTpWorker):
 
     def _draft_chain(self, reqs: list[Req], slots: torch.Tensor, chain_batch, kv_lens) -> torch.Tensor:
         """[B, S] drafts: d1 from the last draft extend, d2..dS from S - 1 one-row draft steps;
-        `chain_batch(k, ids, hidden)` builds step k's batch, `kv_lens()` gives the committed KV
-        lengths the draft_override test hook reads."""
+        `chain_batch(k, ids, hidden)` builds step k's batch, `kv_lens` ([b] on the device) are the
+        committed KV lengths the draft_override test hook reads (on the device: no host sync)."""
         drafts, hidden = [self.next_draft[slots]], self.draft_hidden[slots]
         for k in range(1, self.num_steps):
             lo = self.draft_runner.forward(chain_batch(k, drafts[-1], hidden))
@@ -274,7 +274,7 @@ class EAGLEWorker(BaseTpWorker):
             hidden = lo.hidden_states
         drafts = torch.stack(drafts, dim=1)
         if self.draft_override is not None:
-            drafts = self.draft_override(reqs, drafts, kv_lens()).to(drafts)
+            drafts = self.draft_override(reqs, drafts, kv_lens).to(drafts)
         return drafts
 
     def _sample_verify(self, reqs: list[Req], logits: torch.Tensor, drafts: torch.Tensor, slots: torch.Tensor):
@@ -310,7 +310,7 @@ class EAGLEWorker(BaseTpWorker):
             return ForwardBatch.build_decode_rows(ids, slots, pos[:, k - 1], loc[:, k - 1], [x - n + k for x in bound],
                                                   capture_hidden_mode=CaptureHiddenMode.LAST, spec=SpecInput(hidden))
 
-        drafts = self._draft_chain(reqs, slots, chain_batch, lambda: base.tolist())  # (the test hook may read)
+        drafts = self._draft_chain(reqs, slots, chain_batch, base)
         # 2. verify [x, d1..dS] (target_verify_spec: CUDA graphs)
         ids = torch.cat([self.token_table.table[slots][:, None], drafts], dim=1).reshape(-1)
         rows = slots.repeat_interleave(n)
@@ -349,7 +349,8 @@ class EAGLEWorker(BaseTpWorker):
             self._set_host_ids(fb)
             return fb
 
-        drafts = self._draft_chain(reqs, slots, chain_batch, lambda: list(batch.prefix_lens))
+        drafts = self._draft_chain(reqs, slots, chain_batch,
+                                   upload(torch.tensor(batch.prefix_lens, dtype=torch.int64), self.device))
         ids = torch.cat([self.token_table.table[slots][:, None], drafts], dim=1).reshape(-1)
         fb = ForwardBatch.build(ForwardMode.EXTEND, ids, rows, batch.prefix_lens, [n] * b, batch.out_cache_loc,
                                 device=self.device, return_all_logits=True, capture_hidden_mode=CaptureHiddenMode.FULL)

@@ -10,27 +10,45 @@ from __future__ import annotations
 
 import torch
 
+from sglang.srt.utils.common import upload
+
 FORCED_MODES = ("right", "wrong", "mixed")
 
 
 def forced_drafts(targets: dict[tuple[int, ...], list[int]], mode: str, vocab: int = 1000):
-    """A draft_override: `targets` maps a prompt (token ids) to plain decoding's output ids."""
+    """A draft_override: `targets` maps a prompt (token ids) to plain decoding's output ids.
+
+    Device-resident, so a forced step keeps the overlap a natural one has (a host read of the KV
+    lengths here would wait for the step in flight and expose every launch of the rest of the
+    step: the benchmark would time the hook, not speculative decoding): the targets of a batch's
+    requests are uploaded once per batch composition, each step gathers on the device."""
     if mode not in FORCED_MODES:
         raise ValueError(f"mode {mode!r} is not one of {FORCED_MODES}")
+    cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def wrong_at(k: int, j: int) -> bool:
-        return mode == "wrong" or (mode == "mixed" and (k + j) % 3 == 1)
+    def tables(reqs, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (s, str(device)) + tuple(tuple(r.origin_input_ids) for r in reqs)
+        if key not in cache:
+            rows = [targets[tuple(r.origin_input_ids)] for r in reqs]
+            width = max(len(t) for t in rows) + s + 1
+            table = torch.tensor([t + [5] * (width - len(t)) for t in rows], dtype=torch.int64)
+            plen = torch.tensor([len(r.origin_input_ids) for r in reqs], dtype=torch.int64)
+            cache.clear()  # one composition at a time: a finished request changes it
+            cache[key] = (upload(table, device), upload(plen, device))
+        return cache[key]
 
-    def override(reqs, drafts: torch.Tensor, kv_lens: list[int]) -> torch.Tensor:
-        """`kv_lens`: each request's committed KV length at this step (the host's output_ids lag
-        behind a step in flight under overlap): it has output[k - 1] as its last token."""
-        s = drafts.shape[1]
-        rows = []
-        for r, c in zip(reqs, kv_lens):
-            k = c - len(r.origin_input_ids) + 1  # tokens generated before this step
-            ahead = (targets[tuple(r.origin_input_ids)] + [5] * (s + 1))[k:k + s]
-            rows.append([(t + 1) % vocab if wrong_at(k, j) else t for j, t in enumerate(ahead)])
-        return torch.tensor(rows)
+    def override(reqs, drafts: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+        """`kv_lens`: [b] device tensor, each request's committed KV length at this step (the
+        host's output_ids lag behind a step in flight under overlap): the request has
+        output[k - 1] as its last token, k = kv_len - prompt_len + 1."""
+        s, dev = drafts.shape[1], drafts.device
+        table, plen = tables(reqs, s, dev)
+        k = kv_lens.to(torch.int64) - plen + 1  # tokens generated before this step
+        j = torch.arange(s, device=dev)[None, :]
+        ahead = table.gather(1, (k[:, None] + j).clamp(0, table.shape[1] - 1))
+        wrong = torch.ones_like(ahead, dtype=torch.bool) if mode == "wrong" else (
+            (k[:, None] + j) % 3 == 1 if mode == "mixed" else torch.zeros_like(ahead, dtype=torch.bool))
+        return torch.where(wrong, (ahead + 1) % vocab, ahead)
 
     return override
 

@@ -16,5 +16,7 @@ def test_bench_speculative_smoke(tmp_path):
     result = json.loads((tmp_path / "speculative_cpu_smoke.json").read_text())
     for row in result["batches"].values():
         assert row["accept_length"]["right"] == result["num_steps"] + 1 and row["accept_length"]["wrong"] == 1.0
-        assert set(row["speedup"]) == {"natural", "wrong", "right"}
+        assert set(row["speedup"]) == set(row["decode_speedup"]) == {"natural", "wrong", "right"}
+        assert all(v > 0 for v in row["decode_tok_s"].values()) and row["prefill_seconds"]["spec"] > 0
     assert (tmp_path / "speculative_cpu_smoke.png").stat().st_size > 0 and "right tok/s" in proc.stdout
+    assert "decode only: plain" in proc.stdout

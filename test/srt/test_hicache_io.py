@@ -141,8 +141,9 @@ def test_backup_and_load_equal_the_plain_twin(payload, mapping, page_first, path
     if path == "kernel":
         h, d = runs_back.pages_on(dev.device)
         copy_pages(host, back, h, d)
-    else:
-        load_pages(runs_back, host, back)
+    else:  # on CUDA the small-staging case scatters its chunks on a side stream, as the controller does
+        scatter = torch.cuda.Stream() if DEVICE == "cuda" and path == "direct_small_staging" else None
+        load_pages(runs_back, host, back, scatter)
     _sync()
     assert torch.equal(_bytes(back), _bytes(back_want))
     assert torch.equal(_bytes(back)[dst], _bytes(dev)[dp])

@@ -136,6 +136,8 @@ class HiCacheController:
         self._write_thread = _CopyThread("hicache-write")
         self._load_stream = torch.cuda.Stream() if self.use_cuda else None
         self._write_stream = torch.cuda.Stream() if self.use_cuda else None
+        # a load's staged scatters (direct io, device pages not consecutive) run beside its copies
+        self._scatter_stream = torch.cuda.Stream() if self.use_cuda else None
         self.trace = None
         self.storage = None
         self.on_backup_done: Callable | None = None
@@ -315,7 +317,9 @@ class HiCacheController:
                 hp_d, dp_d = runs.pages_on(buf.device)
                 self._copy_pages(src, buf, hp_d, dp_d)
             else:
-                hicache_io.load_pages(runs, src, buf)
+                hicache_io.load_pages(runs, src, buf, self._scatter_stream)
+            if self.trace is not None and self._scatter_stream is not None:
+                torch.cuda.current_stream().wait_stream(self._scatter_stream)
             # the trace hashes what landed on the device (a broken copy shows), the hook the host rows
             rows = buf[dp.to(buf.device)] if self.trace is not None else None
             self._observe("load", self.on_load_done, hp, layer_id, name, src, keys, rows)
@@ -347,14 +351,17 @@ class HiCacheController:
                             continue
                         self._copy_to_device(i, layer, runs, op.page_keys)
                         if self.use_cuda:
-                            ev = torch.cuda.Event()
-                            ev.record(self._load_stream)
+                            ev = hicache_io.ready_after_scatter(self._scatter_stream)
+                            if ev is None:
+                                ev = torch.cuda.Event()
+                                ev.record(self._load_stream)
                             op.events[i][layer] = ev
                         with self._cv:
                             op.progress[i] = layer + 1
                             self._cv.notify_all()
                 op.timeline["queued"] = time.perf_counter()
                 self._sync(self._load_stream)
+                self._sync(self._scatter_stream)
                 op.timeline["synced"] = time.perf_counter()
             except BaseException as e:
                 op.error = e

@@ -135,15 +135,39 @@ def backup_pages(runs: PageRuns, src: torch.Tensor, dst: torch.Tensor) -> None:
             copy_block(dst[h: h + n], staging[s: s + n])
 
 
-def load_pages(runs: PageRuns, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """dst[dp[i]] = src[hp[i]]: host [pages, row] view -> device [pages, row] buffer."""
+def load_pages(runs: PageRuns, src: torch.Tensor, dst: torch.Tensor,
+               scatter_stream: torch.cuda.Stream | None = None) -> None:
+    """dst[dp[i]] = src[hp[i]]: host [pages, row] view -> device [pages, row] buffer.
+
+    `scatter_stream` (CUDA): staged chunks are scattered there, after their copies, so the copy
+    engine goes on with the next chunk / layer while the SMs scatter this one (on one stream each
+    scatter held the next copy back: 0.88x of the plain copy for shuffled device pages on an H100).
+    The caller then orders readers after `scatter_stream` (`ready_after_scatter`)."""
     for h, d, n in runs.direct:
         copy_block(dst[d: d + n], src[h: h + n])
     for c in runs.chunks:
         staging = torch.empty((len(c.dev_pages), src.shape[1]), dtype=src.dtype, device=dst.device)
         for h, s, n in c.pieces:
             copy_block(staging[s: s + n], src[h: h + n])
-        dst.index_copy_(0, c.on(dst.device), staging)
+        idx = c.on(dst.device)
+        if scatter_stream is None:
+            dst.index_copy_(0, idx, staging)
+            continue
+        scatter_stream.wait_stream(torch.cuda.current_stream())  # this chunk's copies (and idx)
+        with torch.cuda.stream(scatter_stream):
+            dst.index_copy_(0, idx, staging)
+        staging.record_stream(scatter_stream)  # not reused before the scatter has read it
+
+
+def ready_after_scatter(scatter_stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event after everything queued so far on the current stream and on `scatter_stream`: a
+    layer's copies and scatters (None without a scatter stream: record on the current one)."""
+    if scatter_stream is None:
+        return None
+    scatter_stream.wait_stream(torch.cuda.current_stream())
+    ev = torch.cuda.Event()
+    ev.record(scatter_stream)
+    return ev
 
 
 def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:

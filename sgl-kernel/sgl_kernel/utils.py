@@ -2,7 +2,8 @@
 
 Kernels run natively on CUDA and on CPU under Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is imported). The interpreter of Triton 3.9 multiplies bfloat16 tiles as their raw
-uint16 bits in `tl.dot`; `patch_interpreter()` upcasts them first (what the GPU's tensor cores do),
+uint16 bits in `tl.dot`; `patch_interpreter()` upcasts them first (what the GPU's tensor cores do)
+and multiplies float32 tiles in float64 (each row independent of its tile neighbours, as on a GPU),
 so the bf16 code paths are testable on CPU too. Its fp32 -> bf16 / e4m3 casts truncate, while the
 GPU rounds to nearest even; the patch rounds like the GPU (through torch's casts, which do), so CPU
 kernel results equal the torch twins bit for bit where the GPU's would.
@@ -48,7 +49,15 @@ def patch_interpreter() -> None:
         return h
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, upcast(a), upcast(b), d, input_precision, max_num_imprecise_acc)
+        a, b = upcast(a), upcast(b)
+        if a.data.dtype == np.float32 and b.data.dtype == np.float32 and d.data.dtype == np.float32:
+            # A GPU's MMA gives each row of a tile the same K order wherever the row sits; BLAS
+            # does not (OpenBLAS 0.3.31's sgemm rounds a row by its position in the tile), which
+            # broke batch invariance under the interpreter only. In float64, rounded once to float32,
+            # a row's result no longer depends on its neighbours.
+            prod = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+            return interp.TensorHandle(prod + d.data, d.dtype.scalar)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     create_dot._sglang_bf16_patch = True
     interp.InterpreterBuilder.create_dot = create_dot

@@ -147,7 +147,7 @@ def run(args) -> dict:
         os.makedirs(args.out_dir, exist_ok=True)
         torch.save(torch.arange(min(args.hot_vocab, plain.model_config.vocab_size)), token_map)
     spec = Engine(**common, speculative_algorithm="EAGLE", speculative_num_steps=args.num_steps,
-                  speculative_token_map=token_map)
+                  speculative_token_map=token_map, speculative_adaptive=args.adaptive)
     worker = spec.scheduler.tp_worker
     vocab = plain.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -182,6 +182,8 @@ def run(args) -> dict:
             for m in MODES:
                 worker.draft_override = None if m == "natural" else forced_drafts(targets, m)
                 worker.num_verify_steps = worker.num_accepted_drafts = 0
+                if worker.adaptive is not None:  # each mode's run from a fresh policy
+                    worker.adaptive.reset()
                 t, out = _timed(spec, prompts, sp, args.device)
                 times[m].append(t)
                 accept[m] = worker.avg_accept_length
@@ -239,6 +241,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="real-shape model: target layers (+ one MTP layer)")
     p.add_argument("--experts", type=int, default=16, help="with --layers: routed experts")
     p.add_argument("--deterministic", action="store_true", help="both engines --enable-deterministic-inference")
+    p.add_argument("--adaptive", action="store_true",
+                   help="the speculative engine with --speculative-adaptive (drafting off while drafts fail)")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
@@ -266,12 +270,13 @@ def main() -> None:
                                                                 num_nextn_predict_layers=1)
         args.load_format = "dummy"
     result = {"model": args.model_path, "layers": args.layers, "experts": args.experts if args.layers else None,
-              "deterministic": args.deterministic, "num_steps": args.num_steps,
+              "deterministic": args.deterministic, "adaptive": args.adaptive, "num_steps": args.num_steps,
               "speculative_token_map": args.speculative_token_map, "hot_vocab": args.hot_vocab, "prompt_len": args.prompt_len,
               "gen_len": args.gen_len, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "date": time.strftime("%Y-%m-%d"), **run(args)}
     os.makedirs(args.out_dir, exist_ok=True)
-    tag = (f"_{args.layers}l{args.experts}e" if args.layers else "") + (f"_hot{args.hot_vocab}" if args.hot_vocab else "")
+    tag = ((f"_{args.layers}l{args.experts}e" if args.layers else "") + (f"_hot{args.hot_vocab}" if args.hot_vocab else "")
+           + ("_adaptive" if args.adaptive else ""))
     stem = os.path.join(args.out_dir, f"speculative_{args.device}{tag}" + ("_det" if args.deterministic else "")
                         + ("_smoke" if args.smoke else ""))
     with open(stem + ".json", "w") as f:

@@ -159,6 +159,37 @@ def test_forced_decode_step_reads_nothing_back():
     _whole(spec)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_adaptive_turns_failing_drafts_off_and_keeps_output(overlap):
+    """--speculative-adaptive: with every draft wrong the worker soon decodes without drafts (a
+    speculative probe every 16 steps), with every draft right it never stops drafting; output and
+    logprobs equal plain decoding's either way, the pool whole afterwards."""
+    prompts = _prompts(3)
+    params = [{"temperature": 0, "max_new_tokens": 40 + 4 * i, "ignore_eos": True} for i in range(3)]
+    gen = dict(return_logprob=True, top_logprobs_num=2)
+    ref = _engine(False).generate(input_ids=prompts, sampling_params=params, **gen)
+    spec = _engine(True, speculative_adaptive=True, disable_overlap_schedule=not overlap)
+    worker = spec.scheduler.tp_worker
+    counts = {"drafted": 0, "plain": 0}
+    for name, key in (("_decode", "drafted"), ("_decode_without_drafts", "plain")):
+        def counted(batch, _f=getattr(worker, name), _k=key):
+            counts[_k] += 1
+            return _f(batch)
+        setattr(worker, name, counted)
+    targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
+    for mode in ("wrong", "right"):
+        worker.adaptive.reset()  # a fresh policy per round
+        counts.update(drafted=0, plain=0)
+        worker.draft_override = forced_drafts(targets, mode)
+        outs = spec.generate(input_ids=prompts, sampling_params=params, **gen)
+        assert [_key(o) for o in outs] == [_key(o) for o in ref], mode
+        if mode == "wrong":  # off after a handful of failed steps, then one probe per 16
+            assert counts["plain"] > 3 * counts["drafted"] and not worker.adaptive.drafting, counts
+        else:
+            assert counts["plain"] == 0 and worker.adaptive.drafting, counts
+        _whole(spec)
+
+
 def test_default_mode_verify_within_tolerance():
     """Without --enable-deterministic-inference (the default; on a GPU verify rows and plain rows run
     other GEMM kernels): every speculative output -- natural, forced right / wrong / mixed drafts --

@@ -238,6 +238,9 @@ class ServerArgs(ModelChecks, ParallelChecks, ServingChecks, SpeculativeChecks, 
     speculative_token_map: str | None = _f(None, "FR-Spec: a file of hot token ids (.pt tensor/list, .json list or "
                                            "text); the draft's lm_head projects onto those tokens only (cheaper "
                                            "draft steps; output unchanged, acceptance may drop).", "speculative")
+    speculative_adaptive: bool = _f(False, "Switch drafting off while too few drafts are accepted to pay for a "
+                                    "speculative step (plain one-row steps, a speculative probe every 16 steps; "
+                                    "on again once acceptance recovers). Output unchanged.", "speculative")
 
     # -- PD disaggregation (upstream's names) ---------------------------------------------------
     disaggregation_mode: str = _f("null", "Prefill/decode disaggregation: prefill (compute prompts, send their KV "

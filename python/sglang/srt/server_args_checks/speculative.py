@@ -14,6 +14,8 @@ class SpeculativeChecks(FlagChecks):
             for name in ("speculative_draft_model_path", "speculative_num_draft_tokens", "speculative_token_map"):
                 if getattr(self, name) is not None:
                     raise ServerArgsError(name, "needs --speculative-algorithm")
+            if self.speculative_adaptive:
+                raise ServerArgsError("speculative_adaptive", "needs --speculative-algorithm")
             return
         self._choice("speculative_algorithm")
         self._positive("speculative_num_steps", allow_none=False)

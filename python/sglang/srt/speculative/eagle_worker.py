@@ -67,6 +67,7 @@ from sglang.srt.model_executor.memory_plan import draft_memory_needs
 from sglang.srt.model_executor.model_runner import ModelRunner, kv_bytes_per_token
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.adaptive import AdaptiveDrafting
 from sglang.srt.speculative.token_map import HotTokenHead, draft_token_ids, load_token_map
 from sglang.srt.utils.common import copies_done_event, to_host_async, upload
 
@@ -156,6 +157,7 @@ class EAGLEWorker(BaseTpWorker):
         self.draft_override = None
         self.num_verify_steps = 0
         self.num_accepted_drafts = 0
+        self.adaptive = AdaptiveDrafting() if sa.speculative_adaptive else None
 
     # -- what the scheduler reads (the target's) ----------------------------------------------------
     model_runner = property(lambda self: self.target.model_runner)
@@ -195,11 +197,14 @@ class EAGLEWorker(BaseTpWorker):
         """Besides what any request's sampling needs: a seeded draw's step counts the tokens the
         step in flight accepts, known on the host only after it."""
         sp = req.sampling_params
+        if self.adaptive is not None and not self.adaptive.drafts_next():
+            return True  # a step without drafts is built from host lengths: the one in flight first
         return sp.sampling_seed is not None and sp.temperature > 0
 
     def forward_batch_generation(self, batch: ScheduleBatch) -> Pending:
         if batch.forward_mode == ForwardMode.DECODE:
-            if any(r.needs_host_sampling_state() for r in batch.reqs):
+            drafts = self.adaptive is None or self.adaptive.on_step()
+            if not drafts or any(r.needs_host_sampling_state() for r in batch.reqs):
                 return Pending(value=self._decode_without_drafts(batch))
             return Pending(value=self._decode_cp(batch) if self.cp else self._decode(batch))
         return Pending(value=self._extend(batch))
@@ -429,6 +434,8 @@ class SpecDecodeOutput:
                 if not r.finished() and not (batch.req_epochs and batch.req_epochs[i] != r.epoch)]
         self.worker.num_verify_steps += len(live)
         self.worker.num_accepted_drafts += sum(acc[i] for i in live)
+        if self.worker.adaptive is not None:
+            self.worker.adaptive.observe(sum(acc[i] for i in live), len(live))
         res = GenerationBatchResult(next_token_ids=[rows[i][: a + 1] for i, a in enumerate(acc)],
                                     accept_lens=[a + 1 for a in acc])
         if self.hidden is not None:

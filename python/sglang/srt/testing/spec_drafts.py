@@ -27,7 +27,7 @@ def forced_drafts(targets: dict[tuple[int, ...], list[int]], mode: str, vocab: i
     cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(reqs, s: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (s, str(device)) + tuple(tuple(r.origin_input_ids) for r in reqs)
+        key = (s, str(device)) + tuple(r.rid for r in reqs)  # rids: unique per request, cheap to hash
         if key not in cache:
             rows = [targets[tuple(r.origin_input_ids)] for r in reqs]
             width = max(len(t) for t in rows) + s + 1

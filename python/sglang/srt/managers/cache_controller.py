@@ -60,6 +60,8 @@ from sglang.srt.mem_cache.memory_pool_host import HostKVPool
 
 logger = logging.getLogger(__name__)
 
+HAND_OVER_S = 0.002  # at most this long does load() wait for its copy thread to start
+
 
 class _PoolCounter:
     """The LayerTransferCounter of one pool (pair index): waits for every in-flight load's layer."""
@@ -144,6 +146,7 @@ class HiCacheController:
         self.on_load_done: Callable | None = None
         self.layer_load_delay_s: float | Callable[[int], None] | None = None
         self.backup_fault: Callable[[int], bool] | None = None
+        self.hand_over_loads = True  # load(): wait for the load thread to start (off: bench_handoff's baseline)
 
     # -- submission (scheduler thread) ----------------------------------------------------------------
     def _pages(self, slots: torch.Tensor) -> torch.Tensor:
@@ -202,7 +205,19 @@ class HiCacheController:
                 for (dev, _), c in zip(self.pairs, self._counters):
                     dev.register_layer_transfer_counter(c)
                 self._counters_on = True
-        self._load_thread.submit(lambda: self._run_load(op, pages, ready))
+        started = threading.Event()
+
+        def job() -> None:
+            started.set()
+            self._run_load(op, pages, ready)
+
+        self._load_thread.submit(job)
+        if self.hand_over_loads:
+            # The forward about to run waits on this load's first layer. Left to the interpreter, the
+            # woken copy thread gets the GIL only when the busy submitting thread is forced to drop it
+            # (sys.getswitchinterval(): 5 ms); blocking here lets it plan and queue its copies now
+            # (bench_handoff.py: start 5.2 ms -> ~0.1 ms after submit, the submitter ~0.5 ms later).
+            started.wait(HAND_OVER_S)
         return op
 
     def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor, page_keys: list | None = None,

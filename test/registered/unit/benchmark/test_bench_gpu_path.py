@@ -103,3 +103,13 @@ def test_hicache_bench_smoke(tmp_path):
         for phase in ("handoff", "plan", "enqueue", "copy_wait", "wake"):
             assert all(r[f"{kind}_{phase}_us"] >= 0 for r in rows), (kind, phase)
     assert {"copy_ratio_min", "host_hit_speedup", "backup_overhead", "reload_exact", "met"} <= set(result["goals"])
+
+
+def test_hicache_handoff_bench_smoke(tmp_path):
+    """bench_handoff.py: both modes timed (the load's start after submit, the load() call), JSON, plot, table."""
+    out = _run([str(_ROOT / "benchmark/hicache/bench_handoff.py"), "--smoke", "--out-dir", str(tmp_path)]).stdout
+    res = json.loads((tmp_path / "handoff_smoke.json").read_text())
+    for mode in ("on", "off"):
+        assert res[mode]["start_after_submit_us"] > 0 and res[mode]["load_call_us"] > 0
+    assert res["start_delay_ratio_off_over_on"] > 0 and "hand-over on" in out
+    assert (tmp_path / "handoff_smoke.png").stat().st_size > 0

@@ -432,10 +432,11 @@ class SpecDecodeOutput:
         batch = self.batch
         live = [i for i, r in enumerate(batch.reqs)
                 if not r.finished() and not (batch.req_epochs and batch.req_epochs[i] != r.epoch)]
+        accepted = sum(acc[i] for i in live)
         self.worker.num_verify_steps += len(live)
-        self.worker.num_accepted_drafts += sum(acc[i] for i in live)
+        self.worker.num_accepted_drafts += accepted
         if self.worker.adaptive is not None:
-            self.worker.adaptive.observe(sum(acc[i] for i in live), len(live))
+            self.worker.adaptive.observe(accepted, len(live))
         res = GenerationBatchResult(next_token_ids=[rows[i][: a + 1] for i, a in enumerate(acc)],
                                     accept_lens=[a + 1 for a in acc])
         if self.hidden is not None:

@@ -44,11 +44,13 @@ def forced_drafts(targets: dict[tuple[int, ...], list[int]], mode: str, vocab: i
         s, dev = drafts.shape[1], drafts.device
         table, plen = tables(reqs, s, dev)
         k = kv_lens.to(torch.int64) - plen + 1  # tokens generated before this step
-        j = torch.arange(s, device=dev)[None, :]
-        ahead = table.gather(1, (k[:, None] + j).clamp(0, table.shape[1] - 1))
-        wrong = torch.ones_like(ahead, dtype=torch.bool) if mode == "wrong" else (
-            (k[:, None] + j) % 3 == 1 if mode == "mixed" else torch.zeros_like(ahead, dtype=torch.bool))
-        return torch.where(wrong, (ahead + 1) % vocab, ahead)
+        at = k[:, None] + torch.arange(s, device=dev)[None, :]  # output index of each draft
+        ahead = table.gather(1, at.clamp(0, table.shape[1] - 1))
+        if mode == "right":
+            return ahead
+        if mode == "wrong":
+            return (ahead + 1) % vocab
+        return torch.where(at % 3 == 1, (ahead + 1) % vocab, ahead)  # mixed
 
     return override
 

@@ -365,12 +365,8 @@ class HiCacheController:
                         if layer >= dev.layer_num:
                             continue
                         self._copy_to_device(i, layer, runs, op.page_keys)
-                        if self.use_cuda:
-                            ev = hicache_io.ready_after_scatter(self._scatter_stream)
-                            if ev is None:
-                                ev = torch.cuda.Event()
-                                ev.record(self._load_stream)
-                            op.events[i][layer] = ev
+                        if self.use_cuda:  # after the layer's copies and its scatters
+                            op.events[i][layer] = hicache_io.ready_after_scatter(self._scatter_stream)
                         with self._cv:
                             op.progress[i] = layer + 1
                             self._cv.notify_all()

@@ -159,11 +159,9 @@ def load_pages(runs: PageRuns, src: torch.Tensor, dst: torch.Tensor,
         staging.record_stream(scatter_stream)  # not reused before the scatter has read it
 
 
-def ready_after_scatter(scatter_stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+def ready_after_scatter(scatter_stream: torch.cuda.Stream) -> torch.cuda.Event:
     """An event after everything queued so far on the current stream and on `scatter_stream`: a
-    layer's copies and scatters (None without a scatter stream: record on the current one)."""
-    if scatter_stream is None:
-        return None
+    layer's copies and scatters."""
     scatter_stream.wait_stream(torch.cuda.current_stream())
     ev = torch.cuda.Event()
     ev.record(scatter_stream)

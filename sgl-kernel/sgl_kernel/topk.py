@@ -23,18 +23,22 @@ running output offset, so the output is ascending and exactly k entries are writ
 Launch shapes (same result; `split` picks one, shapes depend only on R, W, k: graph capturable):
 - fused (split=1): one program per row runs every pass; the row stays in L2 between passes.
   For prefill (R = query tokens >> #SMs).
-- split (split=S>1): rows are cut into S chunks. Per pass a (R, S) kernel writes per-chunk
-  histograms to scratch and a (R,) kernel sums them, picks the digit and accumulates per-chunk
-  counts of selected-above and threshold-equal columns; the (R, S) write kernel turns them into
-  each chunk's output offset (exclusive prefix sums). 2 * passes + 1 launches, no host sync.
-  For decode (R = batch <= 160, W up to 160K), where one program per row idles most SMs.
+- split (split=S>1): rows are cut into S chunks, one (R, S) launch per pass. Program (r, c) of
+  pass p first makes pass p-1's choice from its per-chunk histograms in scratch -- every program
+  of the row the same one, from the same integers; program 0 stores the state, program c adds its
+  own chunk's count above the chosen bin and keeps its count in it -- then histograms chunk c for
+  digit p. The write launch makes the last choice and turns the counts of the chunks before c into
+  chunk c's output offset. passes + 1 launches (was 2 * passes + 1 with a separate select
+  launch per pass), no host sync. For decode (R = batch <= 160, W up to 160K), where one program
+  per row idles most SMs.
 
 Cost model (H200, unmeasured). Triton 3.6 lowers tl.histogram to warp ballots: ~RADIX_BITS
 ballots + 2^RADIX_BITS / 32 popcounts per element, so 8-bit digits cost ~4x the ALU work of 6-bit
 ones per pass (newer Triton, e.g. 3.9, emits one shared-memory atomic per element: then try 8).
 The fused path is ALU-bound, hence 6 bits there: 3 histogram passes + 1 write pass for bf16-valued
 scores (4 reads of the row, from L2 after the first), up to 6 + 1 for arbitrary fp32. The split
-path is launch-bound, hence 8 bits there (2 passes / 5 launches for bf16 values, 4 / 9 at most).
+path is launch-bound, hence 8 bits there: 4 pass launches + 1 write (was 9); a row settled early
+(bf16-valued scores: after 2 passes) leaves the later launches at once.
 Knobs for the H200: radix_bits, split (auto_split, SPLIT_MIN_CHUNK), block, num_warps.
 """
 
@@ -51,8 +55,10 @@ from sgl_kernel.utils import next_pow2, patch_interpreter
 patch_interpreter()
 
 _INT_MIN = -(2**31)
-SPLIT_MIN_CHUNK = 4096  # columns per program in the split path: below this launch cost dominates
-MAX_SPLIT = 64  # the select kernel holds [MAX_SPLIT, 2^RADIX_BITS] counts in registers
+# Columns per program in the split path. H100, 32K keys in a CUDA graph: batch 1 at 8 / 16 / 32
+# chunks 0.033 / 0.025 / 0.023 ms; batch 64 at 5 / 8 / 16 chunks 0.076 / 0.068 / 0.071 ms.
+SPLIT_MIN_CHUNK = 1024
+MAX_SPLIT = 64  # each program of a pass reads all S histograms of its row: S^2 x 2^RADIX_BITS per row
 
 
 @triton.jit
@@ -146,71 +152,77 @@ def _topk_fused_kernel(x_ptr, len_ptr, out_ptr, stride, K, RB: tl.constexpr, NPA
 
 
 @triton.jit
-def _split_hist_kernel(x_ptr, len_ptr, state_ptr, hist_ptr, low_ptr, stride, K, CHUNK, S,
-                       P: tl.constexpr, LO: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr):
+def _split_choice(hist, low, S, pref, pmask, need, LO: tl.constexpr, RB: tl.constexpr):
+    """One pass's choice from its per-chunk histograms (`hist` [S, BINS], `low` [S, 2] of the row):
+    the chosen bin and the state after it (prefix, mask, need, done)."""
+    BINS: tl.constexpr = 1 << RB
+    bins = tl.arange(0, BINS)
+    tot = tl.zeros([BINS], tl.int32)
+    lmax = need * 0 - 1
+    lmin = need * 0 + 2147483647
+    for cc in range(0, S):
+        tot += tl.load(hist + cc * BINS + bins)
+        lmax = tl.maximum(lmax, tl.load(low + cc * 2))
+        lmin = tl.minimum(lmin, tl.load(low + cc * 2 + 1))
+    b, above, count = _choose(tot, need, BINS)
+    need -= above
+    done = ((count == need) | (lmax == lmin)).to(tl.int32)
+    return b, pref | (b << LO), pmask | ((need * 0 + (BINS - 1)) << LO), need, done
+
+
+@triton.jit
+def _split_pass_kernel(x_ptr, len_ptr, state_ptr, hist_ptr, low_ptr, cnt_ptr, stride, K, CHUNK, S, R,
+                       P: tl.constexpr, LO_PREV: tl.constexpr, LO: tl.constexpr, RB: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Pass P over chunk c of row r: first the choice of pass P - 1 (every program of the row makes
+    the same one from the same histograms; program 0 stores the state, program c counts its own
+    chunk's candidates above the chosen bin and in it), then chunk c's histogram for digit P."""
     BINS: tl.constexpr = 1 << RB
     r = tl.program_id(0)
     c = tl.program_id(1)
     n = tl.load(len_ptr + r).to(tl.int32)
-    if P == 0:
-        pref, pmask, live = n * 0, n * 0, n > K
-    else:
-        pref = tl.load(state_ptr + r * 4)
-        pmask = tl.load(state_ptr + r * 4 + 1)
-        live = tl.load(state_ptr + r * 4 + 3) == 0
-    if live:
-        start = c * CHUNK
-        end = tl.minimum(start + CHUNK, n)
-        hist, lmax, lmin = _scan_pass(x_ptr + r.to(tl.int64) * stride, start, end, pref, pmask,
-                                      LO, BINS, BLOCK)
-        slot = r * S + c
-        tl.store(hist_ptr + slot * BINS + tl.arange(0, BINS), hist)
-        tl.store(low_ptr + slot * 2, lmax)
-        tl.store(low_ptr + slot * 2 + 1, lmin)
-
-
-@triton.jit
-def _split_select_kernel(len_ptr, state_ptr, hist_ptr, low_ptr, cnt_ptr, K, S, P: tl.constexpr,
-                         LAST: tl.constexpr, LO: tl.constexpr, RB: tl.constexpr, SP2: tl.constexpr):
-    BINS: tl.constexpr = 1 << RB
-    r = tl.program_id(0)
-    n = tl.load(len_ptr + r).to(tl.int32)
-    if P == 0:
-        pref, pmask, need, done = n * 0, n * 0, n * 0 + K, (n <= K).to(tl.int32)
-        tl.store(state_ptr + r * 4 + 3, done)
-    else:
-        pref = tl.load(state_ptr + r * 4)
-        pmask = tl.load(state_ptr + r * 4 + 1)
-        need = tl.load(state_ptr + r * 4 + 2)
-        done = tl.load(state_ptr + r * 4 + 3)
-    if done == 0:
-        chunks = tl.arange(0, SP2)
-        cm = chunks < S
+    if n > K:
         bins = tl.arange(0, BINS)
-        slot = r * S + chunks
-        h2 = tl.load(hist_ptr + slot[:, None] * BINS + bins[None, :], mask=cm[:, None], other=0)
-        lmax = tl.max(tl.load(low_ptr + slot * 2, mask=cm, other=-1), 0)
-        lmin = tl.min(tl.load(low_ptr + slot * 2 + 1, mask=cm, other=2147483647), 0)
-        b, above, count = _choose(tl.sum(h2, 0), need, BINS)
-        need -= above
-        # Per chunk: candidates above the chosen bin are selected outright; those in it stay tied.
-        gt = tl.sum(tl.where(bins[None, :] > b, h2, 0), 1)
-        if P > 0:
-            gt += tl.load(cnt_ptr + (r * 2) * S + chunks, mask=cm, other=0)
-        tl.store(cnt_ptr + (r * 2) * S + chunks, gt, mask=cm)
-        tl.store(cnt_ptr + (r * 2 + 1) * S + chunks, tl.sum(tl.where(bins[None, :] == b, h2, 0), 1), mask=cm)
-        done = ((count == need) | (lmax == lmin)).to(tl.int32)
-        if LAST:
-            done = n * 0 + 1
-        tl.store(state_ptr + r * 4, pref | (b << LO))
-        tl.store(state_ptr + r * 4 + 1, pmask | ((n * 0 + (BINS - 1)) << LO))
-        tl.store(state_ptr + r * 4 + 2, need)
-        tl.store(state_ptr + r * 4 + 3, done)
+        cnt = cnt_ptr + (r * 2) * S + c  # [gt so far, in the last chosen bin] of chunk c
+        if P == 0:
+            pref, pmask, need, done = n * 0, n * 0, n * 0 + K, n * 0
+            tl.store(cnt, 0)
+        else:
+            st = state_ptr + ((P - 1) * R + r) * 4
+            pref = tl.load(st)
+            pmask = tl.load(st + 1)
+            need = tl.load(st + 2)
+            done = tl.load(st + 3)
+            if done == 0:
+                hrow = hist_ptr + ((P - 1) * R + r).to(tl.int64) * S * BINS
+                b, pref, pmask, need, done = _split_choice(hrow, low_ptr + ((P - 1) * R + r) * S * 2, S, pref,
+                                                           pmask, need, LO_PREV, RB)
+                mine = tl.load(hrow + c * BINS + bins)
+                tl.store(cnt, tl.load(cnt) + tl.sum(tl.where(bins > b, mine, 0), 0))
+                tl.store(cnt + S, tl.sum(tl.where(bins == b, mine, 0), 0))
+        if c == 0:
+            st = state_ptr + (P * R + r) * 4
+            tl.store(st, pref)
+            tl.store(st + 1, pmask)
+            tl.store(st + 2, need)
+            tl.store(st + 3, done)
+        if done == 0:
+            start = c * CHUNK
+            hist, lmax, lmin = _scan_pass(x_ptr + r.to(tl.int64) * stride, start, tl.minimum(start + CHUNK, n),
+                                          pref, pmask, LO, BINS, BLOCK)
+            slot = (P * R + r) * S + c
+            tl.store(hist_ptr + slot.to(tl.int64) * BINS + bins, hist)
+            tl.store(low_ptr + slot * 2, lmax)
+            tl.store(low_ptr + slot * 2 + 1, lmin)
 
 
 @triton.jit
-def _split_write_kernel(x_ptr, len_ptr, state_ptr, cnt_ptr, out_ptr, stride, K, CHUNK, S,
-                        SP2: tl.constexpr, BLOCK: tl.constexpr, KBLOCK: tl.constexpr):
+def _split_write_kernel(x_ptr, len_ptr, state_ptr, hist_ptr, low_ptr, cnt_ptr, out_ptr, stride, K, CHUNK, S, R,
+                        P: tl.constexpr, LO: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr,
+                        KBLOCK: tl.constexpr):
+    """The last pass's choice (if the row is still open), then chunk c's columns from its output
+    offset: the selected-above and the first `need` tied columns of the chunks before it."""
+    BINS: tl.constexpr = 1 << RB
     r = tl.program_id(0)
     c = tl.program_id(1)
     n = tl.load(len_ptr + r).to(tl.int32)
@@ -219,14 +231,29 @@ def _split_write_kernel(x_ptr, len_ptr, state_ptr, cnt_ptr, out_ptr, stride, K, 
         if c == 0:
             _write_short(out, n, K, KBLOCK)
     else:
-        need = tl.load(state_ptr + r * 4 + 2)
-        before = tl.arange(0, SP2) < c
-        gt = tl.sum(tl.load(cnt_ptr + (r * 2) * S + tl.arange(0, SP2), mask=before, other=0), 0)
-        eq = tl.sum(tl.load(cnt_ptr + (r * 2 + 1) * S + tl.arange(0, SP2), mask=before, other=0), 0)
+        st = state_ptr + (P * R + r) * 4
+        pref = tl.load(st)
+        pmask = tl.load(st + 1)
+        need = tl.load(st + 2)
+        done = tl.load(st + 3)
+        gt = n * 0
+        eq = n * 0
+        if done == 0:
+            bins = tl.arange(0, BINS)
+            hrow = hist_ptr + (P * R + r).to(tl.int64) * S * BINS
+            b, pref, pmask, need, done = _split_choice(hrow, low_ptr + (P * R + r) * S * 2, S, pref, pmask,
+                                                       need, LO, RB)
+            for cc in range(0, c):
+                h = tl.load(hrow + cc * BINS + bins)
+                gt += tl.load(cnt_ptr + (r * 2) * S + cc) + tl.sum(tl.where(bins > b, h, 0), 0)
+                eq += tl.sum(tl.where(bins == b, h, 0), 0)
+        else:
+            for cc in range(0, c):
+                gt += tl.load(cnt_ptr + (r * 2) * S + cc)
+                eq += tl.load(cnt_ptr + (r * 2 + 1) * S + cc)
         start = c * CHUNK
-        _write_pass(x_ptr + r.to(tl.int64) * stride, out, start, tl.minimum(start + CHUNK, n),
-                    tl.load(state_ptr + r * 4), tl.load(state_ptr + r * 4 + 1), need, eq,
-                    gt + tl.minimum(eq, need), BLOCK)
+        _write_pass(x_ptr + r.to(tl.int64) * stride, out, start, tl.minimum(start + CHUNK, n), pref, pmask, need,
+                    eq, gt + tl.minimum(eq, need), BLOCK)
 
 
 @functools.lru_cache(maxsize=8)
@@ -237,12 +264,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def auto_split(rows: int, width: int, device: torch.device) -> int:
-    """Chunks per row: 1 (fused) once the rows alone fill the GPU; else ~2 programs per SM, each
+    """Chunks per row: 1 (fused) once the rows alone fill the GPU; else ~4 programs per SM, each
     at least SPLIT_MIN_CHUNK columns. Depends on shapes only (CUDA-graph safe)."""
     sms = _num_sms(torch.device(device))
     if rows >= sms:
         return 1
-    return max(1, min(triton.cdiv(width, SPLIT_MIN_CHUNK), triton.cdiv(2 * sms, max(rows, 1)), MAX_SPLIT))
+    return max(1, min(triton.cdiv(width, SPLIT_MIN_CHUNK), triton.cdiv(4 * sms, max(rows, 1)), MAX_SPLIT))
 
 
 def fast_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
@@ -286,20 +313,19 @@ def fast_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Te
     if s > MAX_SPLIT:
         raise ValueError(f"split {s} > {MAX_SPLIT}: raise block or lower split")
     dev = scores.device
-    state = torch.empty((rows, 4), dtype=torch.int32, device=dev)
-    hist = torch.empty((rows, s, 1 << rb), dtype=torch.int32, device=dev)
-    low = torch.empty((rows, s, 2), dtype=torch.int32, device=dev)
+    state = torch.empty((npass, rows, 4), dtype=torch.int32, device=dev)  # state before each pass's choice
+    hist = torch.empty((npass, rows, s, 1 << rb), dtype=torch.int32, device=dev)
+    low = torch.empty((npass, rows, s, 2), dtype=torch.int32, device=dev)
     cnt = torch.empty((rows, 2, s), dtype=torch.int32, device=dev)
-    sp2 = next_pow2(s)
     blk = min(block or 1024, next_pow2(chunk))
+    los = [max(32 - (p + 1) * rb, 0) for p in range(npass)]
     for p in range(npass):
-        lo = max(32 - (p + 1) * rb, 0)
-        _split_hist_kernel[(rows, s)](scores, lengths, state, hist, low, stride, k, chunk, s, P=p, LO=lo, RB=rb,
-                                      BLOCK=blk, num_warps=num_warps or 4)
-        _split_select_kernel[(rows,)](lengths, state, hist, low, cnt, k, s, P=p, LAST=p == npass - 1, LO=lo,
-                                      RB=rb, SP2=sp2, num_warps=8)  # [SP2, BINS] counts in registers
-    _split_write_kernel[(rows, s)](scores, lengths, state, cnt, out, stride, k, chunk, s, SP2=sp2, BLOCK=blk,
-                                   KBLOCK=kblock, num_warps=num_warps or 4)
+        _split_pass_kernel[(rows, s)](scores, lengths, state, hist, low, cnt, stride, k, chunk, s, rows, P=p,
+                                      LO_PREV=los[p - 1] if p else 0, LO=los[p], RB=rb, BLOCK=blk,
+                                      num_warps=num_warps or 4)
+    _split_write_kernel[(rows, s)](scores, lengths, state, hist, low, cnt, out, stride, k, chunk, s, rows,
+                                   P=npass - 1, LO=los[-1], RB=rb, BLOCK=blk, KBLOCK=kblock,
+                                   num_warps=num_warps or 4)
     return out
 
 

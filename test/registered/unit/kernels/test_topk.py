@@ -159,13 +159,12 @@ def build(fn, sig, consts, warps):
 common = {"len_ptr": "*i64", "state_ptr": "*i32"}
 build(T._topk_fused_kernel, {"x_ptr": ptr, "len_ptr": "*i32", "out_ptr": "*i32", "stride": i32, "K": i32},
       {"RB": 6, "NPASS": 6, "BLOCK": 1024, "KBLOCK": 1024}, 8)
-for p, lo in ((0, 24), (3, 0)):
-    build(T._split_hist_kernel, {"x_ptr": ptr, **common, "hist_ptr": "*i32", "low_ptr": "*i32", "stride": i32,
-                                 "K": i32, "CHUNK": i32, "S": i32}, {"P": p, "LO": lo, "RB": 8, "BLOCK": 1024}, 4)
-    build(T._split_select_kernel, {**common, "hist_ptr": "*i32", "low_ptr": "*i32", "cnt_ptr": "*i32", "K": i32,
-                                   "S": i32}, {"P": p, "LAST": p == 3, "LO": lo, "RB": 8, "SP2": 64}, 8)
-build(T._split_write_kernel, {"x_ptr": ptr, **common, "cnt_ptr": "*i32", "out_ptr": "*i32", "stride": i32,
-                              "K": i32, "CHUNK": i32, "S": i32}, {"SP2": 64, "BLOCK": 1024, "KBLOCK": 1024}, 4)
+split = {"x_ptr": ptr, **common, "hist_ptr": "*i32", "low_ptr": "*i32", "cnt_ptr": "*i32", "stride": i32,
+         "K": i32, "CHUNK": i32, "S": i32, "R": i32}
+for p, lo_prev, lo in ((0, 0, 24), (3, 8, 0)):
+    build(T._split_pass_kernel, split, {"P": p, "LO_PREV": lo_prev, "LO": lo, "RB": 8, "BLOCK": 1024}, 4)
+build(T._split_write_kernel, {**split, "out_ptr": "*i32"}, {"P": 3, "LO": 0, "RB": 8, "BLOCK": 1024,
+                                                            "KBLOCK": 1024}, 4)
 print("compiled")
 """
 

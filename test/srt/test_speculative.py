@@ -382,6 +382,46 @@ def test_draft_decode_through_its_graph_spec():
     _whole(spec)
 
 
+def test_adaptive_steps_without_drafts_replay_the_draft_graph():
+    """--speculative-adaptive with every draft wrong: after the first failed step the worker decodes
+    without drafts, and the draft's catch-up row of each such step replays the draft_decode graph
+    (CPU stand-in) instead of an eager extend; output equals plain decoding's."""
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, EagerGraphBackend
+    from sglang.srt.speculative.eagle_worker import draft_decode_spec
+
+    prompts = _prompts(2)
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    kw = dict(nsa_prefill_backend="triton", nsa_decode_backend="triton", moe_runner_backend="triton")
+    ref = _engine(False, **kw).generate(input_ids=prompts, sampling_params=params)
+    spec = _engine(True, speculative_adaptive=True, cuda_graph_max_bs=4, max_running_requests=4, **kw)
+    worker = spec.scheduler.tp_worker
+    worker.draft_override = forced_drafts({tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}, "wrong")
+    dr = worker.draft_runner
+    runner = CudaGraphRunner(dr, EagerGraphBackend(), specs=(draft_decode_spec(worker.draft_config),))
+    dr.cuda_graph_runner = runner
+    calls = {"steps": 0, "replays": 0}
+    in_step = [False]
+    replay, plain_step = runner.replay, worker._decode_without_drafts
+
+    def counted_step(batch):
+        calls["steps"] += 1
+        in_step[0] = True
+        try:
+            return plain_step(batch)
+        finally:
+            in_step[0] = False
+
+    def counted_replay(fb):
+        calls["replays"] += in_step[0]
+        return replay(fb)
+
+    worker._decode_without_drafts, runner.replay = counted_step, counted_replay
+    outs = spec.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
+    assert calls["steps"] >= 3 and calls["replays"] == calls["steps"], calls  # one replay per step
+    _whole(spec)
+
+
 def test_target_verify_through_its_graph_spec():
     """The target's verify as a CUDA-graph spec (decode-shaped: a row per verified token, buckets
     of bs * n rows), replayed with the CPU stand-in of a graph on the Triton kernels: the same

@@ -258,6 +258,19 @@ class EAGLEWorker(BaseTpWorker):
         self.next_draft[fb.req_pool_indices] = draft_token_ids(lo.next_token_logits, self.hot_token_id)
         self.draft_hidden[fb.req_pool_indices] = lo.hidden_states.to(self.draft_hidden.dtype)
 
+    def _draft_decode_row(self, fb: ForwardBatch, next_ids: torch.Tensor, lo) -> None:
+        """The draft's catch-up on a step without drafts: row r pairs the target's hidden state at
+        position c (fb's decode row) with the token just sampled there, as a draft extend of one
+        row would, but decode-shaped (the draft_decode graph; with IndexCache sharing the target's
+        top-k rides along and the row runs eagerly, as the verify's draft extend does)."""
+        dfb = ForwardBatch.build_decode_rows(next_ids.to(torch.int64), fb.req_pool_indices, fb.positions,
+                                             fb.out_cache_loc, list(fb.seq_lens_cpu),
+                                             capture_hidden_mode=CaptureHiddenMode.LAST,
+                                             spec=SpecInput(lo.hidden_states, lo.topk_indices))
+        dlo = self.draft_runner.forward(dfb)
+        self.next_draft[fb.req_pool_indices] = draft_token_ids(dlo.next_token_logits, self.hot_token_id)
+        self.draft_hidden[fb.req_pool_indices] = dlo.hidden_states.to(self.draft_hidden.dtype)
+
     # -- decode ---------------------------------------------------------------------------------------
     def _row_sampling_info(self, reqs: list[Req], n: int) -> SamplingBatchInfo:
         """One row per verified position: row j of a request draws with the seed step plain
@@ -387,8 +400,11 @@ class EAGLEWorker(BaseTpWorker):
         lo = t.model_runner.forward(fb)
         sample = t.model_runner.sample(lo, fb)
         t.token_table.store(fb.req_pool_indices, sample.next_token_ids)
-        self._draft_extend(reqs, one.prefix_lens, one.extend_lens, [FUTURE_TOKEN] * b, lo.hidden_states,
-                           lo.topk_indices, one.out_cache_loc)
+        if self.cp:  # the draft's rows follow the pages' owners: an extend planned on the host
+            self._draft_extend(reqs, one.prefix_lens, one.extend_lens, [FUTURE_TOKEN] * b, lo.hidden_states,
+                               lo.topk_indices, one.out_cache_loc)
+        else:  # one decode row per request: the draft's decode graph replays it
+            self._draft_decode_row(fb, sample.next_token_ids, lo)
         self.kv_len[fb.req_pool_indices] = fb.seq_lens
         self.num_verify_steps += b
         if not _wants_hidden(reqs):

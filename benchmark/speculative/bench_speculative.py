@@ -135,7 +135,8 @@ def run(args) -> dict:
     common = dict(model_path=args.model_path, device=args.device, dtype=args.dtype, load_format=args.load_format,
                   random_seed=0, disable_radix_cache=True, max_total_tokens=args.max_total_tokens,
                   enable_deterministic_inference=args.deterministic,
-                  max_running_requests=max(args.batch_sizes), cuda_graph_max_bs=max(args.batch_sizes))
+                  # >= 4: the tolerance's noise probe decodes a batch of 4 (with 1, it never batches: noise 0)
+                  max_running_requests=max(4, *args.batch_sizes), cuda_graph_max_bs=max(4, *args.batch_sizes))
     if args.tokenizer_path:
         common["tokenizer_path"] = args.tokenizer_path
     plain = Engine(**common)

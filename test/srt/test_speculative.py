@@ -122,26 +122,28 @@ def test_greedy_equals_plain_with_random_right_and_wrong_drafts(engine_kw):
     _whole(spec)
 
 
-def test_forced_decode_step_reads_nothing_back():
+@pytest.mark.parametrize("adaptive", [False, True], ids=["drafting", "adaptive"])
+def test_forced_decode_step_reads_nothing_back(adaptive):
     """A speculative decode step reads nothing back to the host, forced drafts included: the forced
     drafts (the benchmark's right / wrong modes) gather on the device, so a forced step keeps the
     overlap a natural one has (their host read of the KV lengths once waited for the step in
     flight every step and exposed the launches: bench_speculative timed the hook). Output equals
     plain's with every draft accepted. The model forwards run unguarded (their own no-sync test is
-    test_triton_backends.py; the CPU MoE reference reads routing back): this checks the step's glue."""
+    test_triton_backends.py; the CPU MoE reference reads routing back): this checks the step's glue.
+    `adaptive`: --speculative-adaptive with wrong drafts, so most steps run without drafts."""
     from sglang.srt.testing.sync_guard import host_sync_allowed, no_host_sync
 
     prompts = _prompts(3)
     params = [{"temperature": 0, "max_new_tokens": 9 + 4 * i, "ignore_eos": True} for i in range(3)]
     ref = _engine(False).generate(input_ids=prompts, sampling_params=params)
-    spec = _engine(True)
+    spec = _engine(True, speculative_adaptive=adaptive)
     worker = spec.scheduler.tp_worker
     decode, steps = worker._decode, []
 
-    def guarded(batch):
+    def guarded(batch, drafting=True):
         with no_host_sync():
-            out = decode(batch)
-        steps.append(len(batch.reqs))
+            out = decode(batch, drafting)
+        steps.append(drafting)
         return out
 
     worker._decode = guarded
@@ -150,12 +152,15 @@ def test_forced_decode_step_reads_nothing_back():
             with host_sync_allowed():
                 return _orig(fb)
         runner.forward = forward
-    for mode in ("right", "mixed"):
+    for mode in ("wrong",) if adaptive else ("right", "mixed"):
         worker.draft_override = forced_drafts({tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}, mode)
         worker.num_verify_steps = worker.num_accepted_drafts = 0
         outs = spec.generate(input_ids=prompts, sampling_params=params)
         assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref], mode
-        assert steps and worker.avg_accept_length >= (3.0 if mode == "right" else 1.2), mode
+        if adaptive:
+            assert steps.count(False) > steps.count(True) > 0, steps
+        else:
+            assert steps and worker.avg_accept_length >= (3.0 if mode == "right" else 1.2), mode
     _whole(spec)
 
 
@@ -163,28 +168,34 @@ def test_forced_decode_step_reads_nothing_back():
 def test_adaptive_turns_failing_drafts_off_and_keeps_output(overlap):
     """--speculative-adaptive: with every draft wrong the worker soon decodes without drafts (a
     speculative probe every 16 steps), with every draft right it never stops drafting; output and
-    logprobs equal plain decoding's either way, the pool whole afterwards."""
+    logprobs equal plain decoding's either way, the pool whole afterwards. Under overlap the steps
+    without drafts are device-resident too: each is launched while the step before is in flight."""
     prompts = _prompts(3)
     params = [{"temperature": 0, "max_new_tokens": 40 + 4 * i, "ignore_eos": True} for i in range(3)]
     gen = dict(return_logprob=True, top_logprobs_num=2)
     ref = _engine(False).generate(input_ids=prompts, sampling_params=params, **gen)
     spec = _engine(True, speculative_adaptive=True, disable_overlap_schedule=not overlap)
     worker = spec.scheduler.tp_worker
-    counts = {"drafted": 0, "plain": 0}
-    for name, key in (("_decode", "drafted"), ("_decode_without_drafts", "plain")):
-        def counted(batch, _f=getattr(worker, name), _k=key):
-            counts[_k] += 1
-            return _f(batch)
-        setattr(worker, name, counted)
+    counts = {"drafted": 0, "plain": 0, "plain_in_flight": 0}
+    decode, overlap_state = worker._decode, spec.scheduler.overlap
+
+    def counted(batch, drafting=True):
+        counts["drafted" if drafting else "plain"] += 1
+        prev = overlap_state.launched.batch if overlap_state.launched is not None else None
+        counts["plain_in_flight"] += not drafting and prev is not None and prev.forward_mode.is_decode()
+        return decode(batch, drafting)
+    worker._decode = counted
     targets = {tuple(p): r["output_ids"] for p, r in zip(prompts, ref)}
     for mode in ("wrong", "right"):
         worker.adaptive.reset()  # a fresh policy per round
-        counts.update(drafted=0, plain=0)
+        counts.update(drafted=0, plain=0, plain_in_flight=0)
         worker.draft_override = forced_drafts(targets, mode)
         outs = spec.generate(input_ids=prompts, sampling_params=params, **gen)
         assert [_key(o) for o in outs] == [_key(o) for o in ref], mode
         if mode == "wrong":  # off after a handful of failed steps, then one probe per 16
             assert counts["plain"] > 3 * counts["drafted"] and not worker.adaptive.drafting, counts
+            if overlap:  # (a request's last step and the first after a prefill have none in flight)
+                assert counts["plain_in_flight"] > counts["plain"] // 2, counts
         else:
             assert counts["plain"] == 0 and worker.adaptive.drafting, counts
         _whole(spec)
@@ -401,13 +412,13 @@ def test_adaptive_steps_without_drafts_replay_the_draft_graph():
     dr.cuda_graph_runner = runner
     calls = {"steps": 0, "replays": 0}
     in_step = [False]
-    replay, plain_step = runner.replay, worker._decode_without_drafts
+    replay, decode = runner.replay, worker._decode
 
-    def counted_step(batch):
-        calls["steps"] += 1
-        in_step[0] = True
+    def counted_step(batch, drafting=True):
+        calls["steps"] += not drafting
+        in_step[0] = not drafting
         try:
-            return plain_step(batch)
+            return decode(batch, drafting)
         finally:
             in_step[0] = False
 
@@ -415,7 +426,7 @@ def test_adaptive_steps_without_drafts_replay_the_draft_graph():
         calls["replays"] += in_step[0]
         return replay(fb)
 
-    worker._decode_without_drafts, runner.replay = counted_step, counted_replay
+    worker._decode, runner.replay = counted_step, counted_replay
     outs = spec.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in ref]
     assert calls["steps"] >= 3 and calls["replays"] == calls["steps"], calls  # one replay per step

@@ -195,18 +195,17 @@ class EAGLEWorker(BaseTpWorker):
 
     def needs_host_state(self, req: Req) -> bool:
         """Besides what any request's sampling needs: a seeded draw's step counts the tokens the
-        step in flight accepts, known on the host only after it."""
+        step in flight accepts, known on the host only after it. (An adaptive step without drafts
+        is device-resident like a speculative one: it overlaps.)"""
         sp = req.sampling_params
-        if self.adaptive is not None and not self.adaptive.drafts_next():
-            return True  # a step without drafts is built from host lengths: the one in flight first
         return sp.sampling_seed is not None and sp.temperature > 0
 
     def forward_batch_generation(self, batch: ScheduleBatch) -> Pending:
         if batch.forward_mode == ForwardMode.DECODE:
             drafts = self.adaptive is None or self.adaptive.on_step()
-            if not drafts or any(r.needs_host_sampling_state() for r in batch.reqs):
+            if any(r.needs_host_sampling_state() for r in batch.reqs) or (self.cp and not drafts):
                 return Pending(value=self._decode_without_drafts(batch))
-            return Pending(value=self._decode_cp(batch) if self.cp else self._decode(batch))
+            return Pending(value=self._decode_cp(batch) if self.cp else self._decode(batch, drafts))
         return Pending(value=self._extend(batch))
 
     # -- prefill --------------------------------------------------------------------------------------
@@ -297,23 +296,28 @@ class EAGLEWorker(BaseTpWorker):
 
     def _sample_verify(self, reqs: list[Req], logits: torch.Tensor, drafts: torch.Tensor, slots: torch.Tensor):
         """Each verified row's pick (the request's own sampler), the accepted draft count per request
-        (leading drafts equal to the target's picks) and the last accepted token into the table."""
-        n = self.num_tokens_per_req
+        (leading drafts equal to the target's picks) and the last accepted token into the table.
+        `drafts` [b, n - 1]: n rows per request (n = 1: a step without drafts)."""
+        n = drafts.shape[1] + 1
         want_lp = any(r.return_logprob for r in reqs)
         nums = [r.top_logprobs_num for r in reqs for _ in range(n)]
         sample = self.sampler(logits, self._row_sampling_info(reqs, n), want_lp, nums if want_lp else None)
         picks = sample.next_token_ids.view(len(reqs), n)
-        accepted = (drafts == picks[:, : self.num_steps]).int().cumprod(dim=1).sum(dim=1)
+        accepted = (drafts == picks[:, : n - 1]).int().cumprod(dim=1).sum(dim=1)
         self.token_table.store(slots, picks.gather(1, accepted[:, None]).squeeze(1))
         return sample, picks, accepted
 
     @torch.inference_mode()
-    def _decode(self, batch: ScheduleBatch) -> "SpecDecodeOutput":
+    def _decode(self, batch: ScheduleBatch, drafting: bool = True) -> "SpecDecodeOutput":
         """One speculative step, static-shaped and device-resident: positions come from the
         request's committed KV length on the device (`kv_len`), so the step can be launched before
         the previous step's acceptance reaches the host (overlap). Every forward is decode-shaped
-        (one row per token over the request's slot); nothing is read back until `to_host`."""
-        reqs, n, b = batch.reqs, self.num_tokens_per_req, len(batch.reqs)
+        (one row per token over the request's slot); nothing is read back until `to_host`.
+        `drafting` False (--speculative-adaptive off): no draft chain, one verified row per
+        request (the target's own decode row) and the draft's row over it -- the same graphs."""
+        reqs, b = batch.reqs, len(batch.reqs)
+        n_alloc = self.num_tokens_per_req  # KV slots the scheduler allocated per request
+        n = n_alloc if drafting else 1
         dev = self.device
         slots = upload(torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64), dev)
         r2t = self.req_to_token_pool
@@ -321,18 +325,20 @@ class EAGLEWorker(BaseTpWorker):
         base = self.kv_len[slots]  # [b] committed KV length c: row j sits at position c + j
         pos = base[:, None] + torch.arange(n, device=dev)[None, :]  # [b, n]
         loc = r2t.req_to_token[slots[:, None], pos].long()  # [b, n] KV slots the scheduler allocated
-        bound = [p + n for p in batch.prefix_lens]  # host: allocation start >= c, so c + n <= bound
+        bound = [p + n_alloc for p in batch.prefix_lens]  # host: allocation start >= c, so c + n <= bound
 
         # 1. draft chain (step k at position c + k - 1)
         def chain_batch(k: int, ids: torch.Tensor, hidden: torch.Tensor) -> ForwardBatch:
-            return ForwardBatch.build_decode_rows(ids, slots, pos[:, k - 1], loc[:, k - 1], [x - n + k for x in bound],
+            return ForwardBatch.build_decode_rows(ids, slots, pos[:, k - 1], loc[:, k - 1],
+                                                  [x - n_alloc + k for x in bound],
                                                   capture_hidden_mode=CaptureHiddenMode.LAST, spec=SpecInput(hidden))
 
-        drafts = self._draft_chain(reqs, slots, chain_batch, base)
+        drafts = (self._draft_chain(reqs, slots, chain_batch, base) if drafting
+                  else torch.empty((b, 0), dtype=torch.int64, device=dev))
         # 2. verify [x, d1..dS] (target_verify_spec: CUDA graphs)
         ids = torch.cat([self.token_table.table[slots][:, None], drafts], dim=1).reshape(-1)
         rows = slots.repeat_interleave(n)
-        row_bounds = [x - n + j + 1 for x in bound for j in range(n)]
+        row_bounds = [x - n_alloc + j + 1 for x in bound for j in range(n)]
         fb = ForwardBatch.build_decode_rows(ids, rows, pos.reshape(-1), loc.reshape(-1), row_bounds,
                                             capture_hidden_mode=CaptureHiddenMode.FULL)
         lo = self.target.model_runner.forward(fb)
@@ -343,12 +349,13 @@ class EAGLEWorker(BaseTpWorker):
         fb = ForwardBatch.build_decode_rows(picks.reshape(-1), rows, pos.reshape(-1), loc.reshape(-1), row_bounds,
                                             capture_hidden_mode=CaptureHiddenMode.LAST,
                                             spec=SpecInput(lo.hidden_states, lo.topk_indices))
-        fb.logits_row_indices = torch.arange(b, device=dev) * n + accepted
+        if n > 1:  # (one row per request: every row is the last, and the draft's decode graph runs it)
+            fb.logits_row_indices = torch.arange(b, device=dev) * n + accepted
         dlo = self.draft_runner.forward(fb)
         self.next_draft[slots] = draft_token_ids(dlo.next_token_logits, self.hot_token_id)
         self.draft_hidden[slots] = dlo.hidden_states.to(self.draft_hidden.dtype)
         self.kv_len[slots] = base + accepted + 1
-        return SpecDecodeOutput(self, batch, n, picks, accepted, sample, lo.hidden_states)
+        return SpecDecodeOutput(self, batch, n, picks, accepted, sample, lo.hidden_states, drafted=drafting)
 
     @torch.inference_mode()
     def _decode_cp(self, batch: ScheduleBatch) -> GenerationBatchResult:
@@ -426,8 +433,8 @@ class SpecDecodeOutput:
     (row j was fed the request's token at position c + j: what plain decoding computes there)."""
 
     def __init__(self, worker: EAGLEWorker, batch: ScheduleBatch, n: int, picks: torch.Tensor, accepted: torch.Tensor,
-                 sample, hidden_states: torch.Tensor | None = None) -> None:
-        self.worker, self.batch, self.b, self.n = worker, batch, len(batch.reqs), n
+                 sample, hidden_states: torch.Tensor | None = None, drafted: bool = True) -> None:
+        self.worker, self.batch, self.b, self.n, self.drafted = worker, batch, len(batch.reqs), n, drafted
         self.picks, self.accepted = to_host_async(picks), to_host_async(accepted)
         self.logprobs = to_host_async(sample.next_token_logprobs) if sample.next_token_logprobs is not None else None
         self.top_logprobs = sample.top_logprobs
@@ -451,7 +458,7 @@ class SpecDecodeOutput:
         accepted = sum(acc[i] for i in live)
         self.worker.num_verify_steps += len(live)
         self.worker.num_accepted_drafts += accepted
-        if self.worker.adaptive is not None:
+        if self.worker.adaptive is not None and self.drafted:  # a step without drafts says nothing of them
             self.worker.adaptive.observe(accepted, len(live))
         res = GenerationBatchResult(next_token_ids=[rows[i][: a + 1] for i, a in enumerate(acc)],
                                     accept_lens=[a + 1 for a in acc])

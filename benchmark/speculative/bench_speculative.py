@@ -164,8 +164,11 @@ def run(args) -> dict:
             # accepts. Forced drafts follow the speculative engine's own natural output instead (the
             # verify's arithmetic is fixed by its bs x (steps + 1) shape, so those drafts are accepted);
             # that output is still checked against plain's within the tolerance.
-            worker.draft_override = None
+            # --adaptive: that run drafts at every step (a step without drafts is a plain row, and
+            # the forced-right targets must be what the verify computes)
+            worker.draft_override, adaptive, worker.adaptive = None, worker.adaptive, None
             ref = spec.generate(input_ids=prompts, sampling_params=sp)
+            worker.adaptive = adaptive
         targets = {tuple(p): o["output_ids"] for p, o in zip(prompts, ref)}
         check = check_outputs(plain, spec, worker, prompts, sp, targets, args.deterministic)
         times = {"plain": []} | {m: [] for m in MODES}

@@ -33,8 +33,10 @@ class RadixAttention(nn.Module):
         """Called after weight loading with kv_b_proj's [H * (nope + v), C] weight."""
         w = weight.view(self.num_local_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         self.kv_b_weight = weight
-        self.w_kc = w[:, : self.qk_nope_head_dim].contiguous()
-        self.w_vc = w[:, self.qk_nope_head_dim :].contiguous()
+        # Views, not copies (the bmms take any batch stride; rows stay contiguous): a copy held a
+        # second kv_b per layer, ~2 GB over V3.2's 61 layers unsharded.
+        self.w_kc = w[:, : self.qk_nope_head_dim]
+        self.w_vc = w[:, self.qk_nope_head_dim :]
 
     def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
         """[T, H, nope] -> q_lat [T, H, C]."""

@@ -113,7 +113,7 @@ def init_dummy_quant_weights(model: nn.Module, seed: int = 0, std: float = 0.02)
 
 def weight_bytes_of(model: nn.Module) -> int:
     """Bytes of the model's weights as held: parameters (FP8 codes, scale grids, model-dtype tensors) and
-    the tensors derived from them that modules keep as attributes (the absorbed MLA's kv_b copies); each
+    the tensors derived from them that modules keep as attributes (the absorbed MLA's dequantised kv_b); each
     storage once. Buffers (rope tables) are not weights."""
     seen: set[int] = set()
     total = 0

@@ -3,8 +3,8 @@ computed without building the model (the real V3.2 / GLM-5 shapes are far too la
 
 It mirrors what DeepseekV2ForCausalLM holds per rank, layer by layer: replicated MLA down-projections
 (fused q_a + kv_a), column-parallel q_b / kv_b, row-parallel o_proj, the indexer's replicated wq_b /
-wk / fp32 weights_proj, the absorbed MLA's kv_b copies (w_kc + w_vc in the model dtype, plus the
-dequantised kv_b when it is FP8), experts split over EP ranks or TP-sharded, vocab-parallel
+wk / fp32 weights_proj, the absorbed MLA's kv_b in the model dtype (w_kc / w_vc are views of it: a
+copy only when kv_b is FP8, its dequantised weight), experts split over EP ranks or TP-sharded, vocab-parallel
 embedding and head. FP8 layers (quantization.fp8.is_fp8_by_default, the released checkpoints' rule)
 cost 1 byte per weight plus an fp32 scale per (bn x bk) block of the rank's matrix. The unit test
 checks it byte for byte against `apply.weight_bytes_of` of built tiny models.
@@ -79,8 +79,9 @@ def _decoder_layer(c: _Counter, cfg: Any, i: int, tp: int, ep: int, prefix: str)
     c.out.add("norms", kv_lora * c.dt)
     kv_b_fp8 = c.linear("attention", f"{a}.kv_b_proj", heads * (nope + v), kv_lora)
     c.linear("attention", f"{a}.o_proj", h, heads * v)
-    # absorbed MLA: w_kc + w_vc copies, and the dequantised kv_b itself when it is FP8
-    c.out.add("mla_absorbed", heads * (nope + v) * kv_lora * c.dt * (2 if kv_b_fp8 else 1))
+    # absorbed MLA: w_kc / w_vc are views of kv_b in the model dtype -- the weight itself, or its
+    # dequantised copy when it is FP8
+    c.out.add("mla_absorbed", heads * (nope + v) * kv_lora * c.dt * (1 if kv_b_fp8 else 0))
     if _get(cfg, "index_topk"):
         ih, idim = _get(cfg, "index_n_heads"), _get(cfg, "index_head_dim")
         c.linear("indexer", f"{a}.indexer.wq_b", ih * idim, q_lora)

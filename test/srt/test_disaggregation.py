@@ -84,7 +84,15 @@ def _combined(prompts, max_new: int, page_size: int = 1, **kw) -> list[list[int]
     return [toks[f"r{i}"] for i in range(len(prompts))]
 
 
-def _run_pd(p, d, port, prompts, max_new: int, step_limit: int = 5000):
+def _ticks(seconds: float = 300.0):
+    """Loop turns until a wall-clock deadline, for loops that step the servers until a condition:
+    a step count is a hidden deadline (on a busy machine the transfer threads need more steps)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        yield
+
+
+def _run_pd(p, d, port, prompts, max_new: int, timeout_s: float = 300.0):
     """Send every prompt to both servers (same room), step both until the decode side finished."""
     rids = [f"q{next(_rooms)}" for _ in prompts]
     finals, pouts = {}, {}
@@ -93,7 +101,7 @@ def _run_pd(p, d, port, prompts, max_new: int, step_limit: int = 5000):
         p.add_request(_req(rid, ids, max_new, room, port))
         d.add_request(_req(rid, ids, max_new, room, port))
     toks = {rid: [] for rid in rids}
-    for _ in range(step_limit):
+    for _ in _ticks(timeout_s):
         if not (p.has_work() or d.has_work()):
             break
         for o in p.step():
@@ -225,7 +233,7 @@ def test_pd_decode_abort_frees_both_sides():
     outs = d.abort_request("a0")
     assert outs and outs[0].finished_reason["type"] == "abort"
     finals = {}
-    for _ in range(2000):
+    for _ in _ticks():
         if not (p.has_work() or d.has_work()):
             break
         p.step()
@@ -411,7 +419,7 @@ def test_pd_prefill_computes_nothing_before_the_decode_side_preallocated():
     assert room in p.bootstrap_queue and p.get_stats().num_prefill_bootstrap_queue_reqs == 1
     d.add_request(_req("o0", ids, 8, room, port))
     toks = []
-    for _ in range(2000):
+    for _ in _ticks():
         if not (p.has_work() or d.has_work()):
             break
         p.step()
@@ -439,7 +447,7 @@ def test_pd_prefill_abort_frees_both_sides(announced):
     outs = p.abort_request("b0")
     assert outs[0].finished_reason["type"] == "abort"
     finals = {}
-    for _ in range(2000):
+    for _ in _ticks():
         if not (p.has_work() or d.has_work()):
             break
         p.step()
@@ -491,7 +499,7 @@ def test_pd_abort_during_chunked_prefill_frees_at_once(overlap, by, at):
     assert launched == 0, f"{launched} more chunk(s) launched for the aborted request"
     assert [o.finished_reason["type"] for o in outs if o.rid == "c0"] == ["abort"], outs
     assert not p.has_work() and p.tree_cache.protected_size() == 0 and p.kv_leak_report() is None
-    for _ in range(2000):
+    for _ in _ticks():
         if not (p.has_work() or d.has_work()):
             break
         p.step()
@@ -549,7 +557,7 @@ def test_transfer_runs_off_the_scheduler_thread(held_writes):
     p.add_request(_req("x0", prompts[0], 6, rooms[0], port))
     d.add_request(_req("x0", prompts[0], 6, rooms[0], port))
     toks = {"x0": [], "x1": []}
-    for _ in range(500):  # until A's write has started (and is held)
+    for _ in _ticks():  # until A's write has started (and is held)
         p.step()
         toks_d = d.step()
         for o in toks_d:
@@ -561,7 +569,7 @@ def test_transfer_runs_off_the_scheduler_thread(held_writes):
     free_before = p.allocator.available_size()
     p.add_request(_req("x1", prompts[1], 6, rooms[1], port))
     d.add_request(_req("x1", prompts[1], 6, rooms[1], port))
-    for _ in range(500):  # B is prefilled while A's write is still held
+    for _ in _ticks():  # B is prefilled while A's write is still held
         p.step()
         for o in d.step():
             toks[o.rid] += o.new_token_ids
@@ -571,7 +579,7 @@ def test_transfer_runs_off_the_scheduler_thread(held_writes):
     assert p.allocator.available_size() < free_before  # B's prefill took pages of its own
     assert toks["x0"] == []  # the decode side has not committed A
     release.set()
-    for _ in range(5000):
+    for _ in _ticks():
         if not (p.has_work() or d.has_work()):
             break
         p.step()
@@ -591,7 +599,7 @@ def test_abort_during_a_write_frees_pages_only_after_it(held_writes):
     room, ids = next(_rooms), _prompts(1, seed=23)[0]
     p.add_request(_req("y0", ids, 20, room, port))
     d.add_request(_req("y0", ids, 20, room, port))
-    for _ in range(500):
+    for _ in _ticks():
         p.step()
         d.step()
         if started.is_set():
@@ -607,7 +615,7 @@ def test_abort_during_a_write_frees_pages_only_after_it(held_writes):
     assert f.abort is not None and f.req.req_pool_idx is not None
     assert room in d.pd_transfers  # decode keeps its pages: a late write must not land in reused ones
     release.set()
-    for _ in range(2000):
+    for _ in _ticks():
         if not (p.has_work() or d.has_work()):
             break
         p.step()

@@ -2,7 +2,7 @@
 
 Every case is first checked bit-exact against the torch twin (fast_topk_ref), then timed (median
 of triton.testing.do_bench, and of do_bench_cudagraph: decode runs in CUDA graphs, where the split
-path's 2 * passes + 1 launches cost less than eagerly). Cases: decode R in {1, 16, 64} x W in
+path's passes + 1 launches cost less than eagerly). Cases: decode R in {1, 16, 64} x W in
 {8K, 32K, 128K} with lengths = W, and prefill R = 4096, W = 32K with causal lengths
 (lengths[r] = r * W // R + 1). GB/s counts the valid scores read once (4 * sum(lengths) bytes),
 the same figure for both sides; "torch" is torch.topk(scores, k) on the full rows (lengths

@@ -51,10 +51,18 @@ def _engine(path: str, args, mode: str):
     from sglang.srt.entrypoints.engine import Engine
 
     max_bs = max(args.batch_sizes)
+    kw = dict(MODES[mode])
+    if mode == "eagle" and args.hot_vocab:
+        # FR-Spec's draft head over a hot-token subset, as bench_speculative --hot-vocab (the lowest ids)
+        os.makedirs(args.out_dir, exist_ok=True)
+        kw["speculative_token_map"] = os.path.join(args.out_dir, f"hot_{args.hot_vocab}.pt")
+        with open(os.path.join(path, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        torch.save(torch.arange(min(args.hot_vocab, vocab)), kw["speculative_token_map"])
     return Engine(model_path=path, tokenizer_path=path, load_format="dummy", dtype=args.dtype, device=args.device,
                   context_length=args.prompt_len + args.gen_len + 64, max_running_requests=max_bs,
                   cuda_graph_max_bs=max_bs, disable_radix_cache=True, random_seed=0,
-                  max_total_tokens=max_bs * (args.prompt_len + args.gen_len + 64), **MODES[mode])
+                  max_total_tokens=max_bs * (args.prompt_len + args.gen_len + 64), **kw)
 
 
 def _start(engine, bs: int, args) -> None:
@@ -205,6 +213,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--modes", default="overlap,sync", help=f"comma list of {sorted(MODES)}")
+    p.add_argument("--hot-vocab", type=int, default=0,
+                   help="eagle: the draft head over the first N token ids (FR-Spec; 0: the full vocabulary)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args()
@@ -216,7 +226,7 @@ def main() -> None:
     args.trace_steps = max(1, min(args.trace_steps, args.gen_len - args.steps - args.profile_steps - 5))
     extra = {"num_nextn_predict_layers": 1} if "eagle" in args.modes.split(",") else {}
     path = make_config_dir(args.shape, args.layers, args.smoke, n_routed_experts=args.experts, **extra)
-    result = {"shape": args.shape, "layers": args.layers, "experts": args.experts, "device": args.device,
+    result = {"shape": args.shape, "layers": args.layers, "experts": args.experts, "hot_vocab": args.hot_vocab, "device": args.device,
               "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "modes": {}}
     for mode in args.modes.split(","):
         engine = _engine(path, args, mode)

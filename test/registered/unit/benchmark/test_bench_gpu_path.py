@@ -113,3 +113,13 @@ def test_hicache_handoff_bench_smoke(tmp_path):
         assert res[mode]["start_after_submit_us"] > 0 and res[mode]["load_call_us"] > 0
     assert res["start_delay_ratio_off_over_on"] > 0 and "hand-over on" in out
     assert (tmp_path / "handoff_smoke.png").stat().st_size > 0
+
+
+def test_overlap_step_bench_smoke_eagle_hot_vocab(tmp_path):
+    """bench_overlap_step's eagle mode with an FR-Spec draft head (--hot-vocab): the map is written
+    and served, the speculative step timed, the JSON records the head's size."""
+    out = _run([str(_ROOT / "benchmark/overlap/bench_overlap_step.py"), "--smoke", "--modes", "eagle",
+                "--hot-vocab", "64", "--batch-sizes", "1", "--out-dir", str(tmp_path)]).stdout
+    result = json.loads((tmp_path / "overlap_deepseek-v32_2l_smoke.json").read_text())
+    assert result["hot_vocab"] == 64 and result["modes"]["eagle"]["1"]["step_ms"] > 0
+    assert (tmp_path / "hot_64.pt").exists() and "eagle" in out

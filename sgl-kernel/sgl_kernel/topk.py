@@ -171,6 +171,13 @@ def _split_choice(hist, low, S, pref, pmask, need, LO: tl.constexpr, RB: tl.cons
 
 
 @triton.jit
+def _chunk_counts(hist, b):
+    """A chunk's candidates above the chosen bin b and in it (hist: its [BINS] histogram)."""
+    bins = tl.arange(0, hist.shape[0])
+    return tl.sum(tl.where(bins > b, hist, 0), 0), tl.sum(tl.where(bins == b, hist, 0), 0)
+
+
+@triton.jit
 def _split_pass_kernel(x_ptr, len_ptr, state_ptr, hist_ptr, low_ptr, cnt_ptr, stride, K, CHUNK, S, R,
                        P: tl.constexpr, LO_PREV: tl.constexpr, LO: tl.constexpr, RB: tl.constexpr,
                        BLOCK: tl.constexpr):
@@ -197,9 +204,9 @@ def _split_pass_kernel(x_ptr, len_ptr, state_ptr, hist_ptr, low_ptr, cnt_ptr, st
                 hrow = hist_ptr + ((P - 1) * R + r).to(tl.int64) * S * BINS
                 b, pref, pmask, need, done = _split_choice(hrow, low_ptr + ((P - 1) * R + r) * S * 2, S, pref,
                                                            pmask, need, LO_PREV, RB)
-                mine = tl.load(hrow + c * BINS + bins)
-                tl.store(cnt, tl.load(cnt) + tl.sum(tl.where(bins > b, mine, 0), 0))
-                tl.store(cnt + S, tl.sum(tl.where(bins == b, mine, 0), 0))
+                gt, eq = _chunk_counts(tl.load(hrow + c * BINS + bins), b)
+                tl.store(cnt, tl.load(cnt) + gt)
+                tl.store(cnt + S, eq)
         if c == 0:
             st = state_ptr + (P * R + r) * 4
             tl.store(st, pref)
@@ -244,9 +251,9 @@ def _split_write_kernel(x_ptr, len_ptr, state_ptr, hist_ptr, low_ptr, cnt_ptr, o
             b, pref, pmask, need, done = _split_choice(hrow, low_ptr + (P * R + r) * S * 2, S, pref, pmask,
                                                        need, LO, RB)
             for cc in range(0, c):
-                h = tl.load(hrow + cc * BINS + bins)
-                gt += tl.load(cnt_ptr + (r * 2) * S + cc) + tl.sum(tl.where(bins > b, h, 0), 0)
-                eq += tl.sum(tl.where(bins == b, h, 0), 0)
+                cgt, ceq = _chunk_counts(tl.load(hrow + cc * BINS + bins), b)
+                gt += tl.load(cnt_ptr + (r * 2) * S + cc) + cgt
+                eq += ceq
         else:
             for cc in range(0, c):
                 gt += tl.load(cnt_ptr + (r * 2) * S + cc)

@@ -253,9 +253,12 @@ class EAGLEWorker(BaseTpWorker):
                                 cp=CPBatchInfo(split_by_slot_owner=not rows_local))
         fb.input_ids = self.token_table.resolve(fb.input_ids, fb.req_pool_indices[fb.token_to_req])
         self._set_host_ids(fb)
-        lo = self.draft_runner.forward(fb)
-        self.next_draft[fb.req_pool_indices] = draft_token_ids(lo.next_token_logits, self.hot_token_id)
-        self.draft_hidden[fb.req_pool_indices] = lo.hidden_states.to(self.draft_hidden.dtype)
+        self._keep_draft_state(fb.req_pool_indices, self.draft_runner.forward(fb))
+
+    def _keep_draft_state(self, slots: torch.Tensor, lo) -> None:
+        """The next step's first draft and the draft's hidden state, from its forward's last rows."""
+        self.next_draft[slots] = draft_token_ids(lo.next_token_logits, self.hot_token_id)
+        self.draft_hidden[slots] = lo.hidden_states.to(self.draft_hidden.dtype)
 
     def _draft_decode_row(self, fb: ForwardBatch, next_ids: torch.Tensor, lo) -> None:
         """The draft's catch-up on a step without drafts: row r pairs the target's hidden state at
@@ -266,9 +269,7 @@ class EAGLEWorker(BaseTpWorker):
                                              fb.out_cache_loc, list(fb.seq_lens_cpu),
                                              capture_hidden_mode=CaptureHiddenMode.LAST,
                                              spec=SpecInput(lo.hidden_states, lo.topk_indices))
-        dlo = self.draft_runner.forward(dfb)
-        self.next_draft[fb.req_pool_indices] = draft_token_ids(dlo.next_token_logits, self.hot_token_id)
-        self.draft_hidden[fb.req_pool_indices] = dlo.hidden_states.to(self.draft_hidden.dtype)
+        self._keep_draft_state(fb.req_pool_indices, self.draft_runner.forward(dfb))
 
     # -- decode ---------------------------------------------------------------------------------------
     def _row_sampling_info(self, reqs: list[Req], n: int) -> SamplingBatchInfo:
@@ -351,11 +352,9 @@ class EAGLEWorker(BaseTpWorker):
                                             spec=SpecInput(lo.hidden_states, lo.topk_indices))
         if n > 1:  # (one row per request: every row is the last, and the draft's decode graph runs it)
             fb.logits_row_indices = torch.arange(b, device=dev) * n + accepted
-        dlo = self.draft_runner.forward(fb)
-        self.next_draft[slots] = draft_token_ids(dlo.next_token_logits, self.hot_token_id)
-        self.draft_hidden[slots] = dlo.hidden_states.to(self.draft_hidden.dtype)
+        self._keep_draft_state(slots, self.draft_runner.forward(fb))
         self.kv_len[slots] = base + accepted + 1
-        return SpecDecodeOutput(self, batch, n, picks, accepted, sample, lo.hidden_states, drafted=drafting)
+        return SpecDecodeOutput(self, batch, n, picks, accepted, sample, lo.hidden_states)
 
     @torch.inference_mode()
     def _decode_cp(self, batch: ScheduleBatch) -> GenerationBatchResult:
@@ -433,8 +432,8 @@ class SpecDecodeOutput:
     (row j was fed the request's token at position c + j: what plain decoding computes there)."""
 
     def __init__(self, worker: EAGLEWorker, batch: ScheduleBatch, n: int, picks: torch.Tensor, accepted: torch.Tensor,
-                 sample, hidden_states: torch.Tensor | None = None, drafted: bool = True) -> None:
-        self.worker, self.batch, self.b, self.n, self.drafted = worker, batch, len(batch.reqs), n, drafted
+                 sample, hidden_states: torch.Tensor | None = None) -> None:
+        self.worker, self.batch, self.b, self.n = worker, batch, len(batch.reqs), n
         self.picks, self.accepted = to_host_async(picks), to_host_async(accepted)
         self.logprobs = to_host_async(sample.next_token_logprobs) if sample.next_token_logprobs is not None else None
         self.top_logprobs = sample.top_logprobs
@@ -458,7 +457,7 @@ class SpecDecodeOutput:
         accepted = sum(acc[i] for i in live)
         self.worker.num_verify_steps += len(live)
         self.worker.num_accepted_drafts += accepted
-        if self.worker.adaptive is not None and self.drafted:  # a step without drafts says nothing of them
+        if self.worker.adaptive is not None and self.n > 1:  # a step without drafts (one row) says nothing of them
             self.worker.adaptive.observe(accepted, len(live))
         res = GenerationBatchResult(next_token_ids=[rows[i][: a + 1] for i, a in enumerate(acc)],
                                     accept_lens=[a + 1 for a in acc])

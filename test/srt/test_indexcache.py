@@ -92,7 +92,7 @@ def test_flag_on_a_full_checkpoint_matches_transformers(ckpt, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
-                                              indexer_types=types).eval()
+                                              indexer_types=types, use_kernels=False).eval()
     assert hf.config.indexer_types == types
     _check_against_reference(engine, hf)
 

@@ -15,7 +15,10 @@ def load_hf_reference(model_dir: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    # use_kernels=False: transformers 5 kernelizes from the Hub by default and raises on a host
+    # without the `kernels` package (the GPU container); the oracle is its plain torch code anyway
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
+                                                 use_kernels=False)
     return model.eval()
 
 

@@ -94,11 +94,16 @@ def test_cp_bench_smoke(tmp_path):
 
 def test_hicache_bench_smoke(tmp_path):
     """bench_hicache.py on CPU: every backend x layout x map round-trips exactly, each op's phases are
-    stamped (hand-off, plan on the copy thread, enqueue, copy wait, wake), the goals block is written."""
+    stamped (hand-off, plan on the copy thread, enqueue, copy wait, wake), the deep op (`--copy-layers`)
+    runs on its own pool, the goals block is written."""
     _run([str(_ROOT / "benchmark/hicache/bench_hicache.py"), "--smoke", "--out-dir", str(tmp_path)])
     result = json.loads((tmp_path / "hicache_cpu.json").read_text())
     rows = result["copy"]["rows"]
     assert rows and all(r["round_trip_exact"] for r in rows)
+    deep = result["copy_deep"]  # one op at a model's depth on a pool of the engine's rows
+    assert deep["layers"] == 5 and deep["layers"] != result["copy"]["layers"]
+    assert deep["bytes"] > result["copy"]["bytes"] and all(r["round_trip_exact"] for r in deep["rows"])
+    assert result["goals"]["copy_layers"] == 5 and result["goals"]["copy_ratio_min_engine_layers"] > 0
     for kind in ("backup", "load"):
         for phase in ("handoff", "plan", "enqueue", "copy_wait", "wake"):
             assert all(r[f"{kind}_{phase}_us"] >= 0 for r in rows), (kind, phase)

@@ -35,9 +35,18 @@ def _run(engine: Engine, prompts, params):
     return engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
 
 
+def _where(a, b) -> str:
+    """Where two outputs part, and how close plain's top-2 were there (a near-tie is numerics, a wide
+    gap a scheduling bug): the message a GPU failure needs."""
+    i = next(j for j, (x, y) in enumerate(zip(a["output_ids"] + [None], b["output_ids"] + [None])) if x != y)
+    tops = b["meta_info"]["output_top_logprobs"]
+    gap = tops[i][0][0] - tops[i][1][0] if i < len(tops) and len(tops[i]) > 1 else float("nan")
+    return f"part at token {i} of {len(b['output_ids'])}: plain's top-2 gap there {gap:.3g} nats"
+
+
 def _assert_same(ours, ref):
     for a, b in zip(ours, ref):
-        assert a["output_ids"] == b["output_ids"]
+        assert a["output_ids"] == b["output_ids"], _where(a, b)
         assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
         assert a["meta_info"]["completion_tokens"] == b["meta_info"]["completion_tokens"]
         la = [t[0] for t in a["meta_info"]["output_token_logprobs"]]
@@ -83,8 +92,13 @@ def test_random_accept_counts_equal_plain_decoding(page_size, n, capacity):
     prompts2 = [p + o["output_ids"][:-1] + [11] for p, o in zip(prompts, ref)]
     params2 = [{"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}] * len(prompts)
     ours2 = _run(fake, prompts2, params2)
+    ref2 = _run(plain, prompts2, params2)
+    if capacity >= 4096:  # nothing was evicted: both caches hold the same prefixes (the small pool evicts
+        # by recency, and the fake's steps differ in timing); an extend over another cached length is
+        # other arithmetic on a GPU, so an output difference there would not be the scheduler's
+        assert [o["meta_info"]["cached_tokens"] for o in ours2] == [o["meta_info"]["cached_tokens"] for o in ref2]
     assert sum(o["meta_info"]["cached_tokens"] for o in ours2) > 0
-    _assert_same(ours2, _run(plain, prompts2, params2))
+    _assert_same(ours2, ref2)
     _assert_kv_whole(fake)
     assert fake.flush_cache() and fake.scheduler.allocator.available_size() == start_free
 
@@ -107,6 +121,33 @@ def test_retraction_with_n_tokens_per_request():
         retracted.append(len(fake.scheduler.waiting_queue) - before)
 
     decode.retract_decode = spy
-    _assert_same(_run(fake, prompts, params), ref)
+    ours = _run(fake, prompts, params)
     assert max(retracted) > 0
+    noise = _recompute_noise(prompts, ref)
+    if DEVICE == "cuda":
+        # A retracted request's KV is recomputed by a prefill, whose attention is other arithmetic than
+        # the decode steps that made plain's (deterministic mode fixes the batch, not the kernel): the
+        # outputs may part only at a near-tie within the prefill-vs-decode noise of this run.
+        from sglang.srt.testing.spec_drafts import verify_tolerance, within_tolerance_violation
+
+        tol = verify_tolerance(noise)
+        assert within_tolerance_violation(ref, ours, tol) is None, within_tolerance_violation(ref, ours, tol)
+    else:  # on CPU a prefill of a token is its decode step up to fp32 rounding, and outputs are exact
+        assert noise < 1e-5, noise
+        _assert_same(ours, ref)
     _assert_kv_whole(fake)
+
+
+def _recompute_noise(prompts, ref) -> float:
+    """Largest |logprob| difference of plain's output tokens decoded vs recomputed by one prefill of
+    prompt + output (an engine without prefix cache)."""
+    eng = _engine(4, 4096, disable_radix_cache=True)
+    worst = 0.0
+    for p, r in zip(prompts, ref):
+        out = eng.generate(input_ids=p + r["output_ids"][:-1], sampling_params={"max_new_tokens": 1, "temperature": 0},
+                           return_logprob=True, logprob_start_len=len(p) - 1)
+        inputs = [t[0] for t in out["meta_info"]["input_token_logprobs"]]  # p[-1], then the outputs but the last
+        again = inputs[len(inputs) - (len(r["output_ids"]) - 1):] + [out["meta_info"]["output_token_logprobs"][0][0]]
+        decoded = [t[0] for t in r["meta_info"]["output_token_logprobs"]]
+        worst = max(worst, max(abs(a - b) for a, b in zip(again, decoded)))
+    return worst

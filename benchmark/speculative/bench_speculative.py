@@ -18,8 +18,8 @@ medians. JSON + a plot + a table.
     python benchmark/speculative/bench_speculative.py --device cuda --model-path DIR_WITH_MTP --load-format dummy
     python benchmark/speculative/bench_speculative.py --smoke             # seconds: checks the script
     python benchmark/speculative/bench_speculative.py --device cuda --layers 16 --experts 16 --hot-vocab 32768
-        # real shapes on an H200 (two engines of ~38 GiB of weights each); on an 80 GB card
-        # --layers 12 --max-total-tokens 8192
+        # real shapes on an H200 (two engines of ~38 GiB of weights each); on an 80 GB card add
+        # --shared-target --max-total-tokens 8192 (one engine: plain decoding on its own target worker)
 
 `--layers N --experts E` builds transformers' DeepSeek-V3.2 config with N target layers of the real
 attention shapes, E routed experts and one MTP layer (dummy weights): V3.2 itself has 61 target
@@ -96,6 +96,46 @@ class ForwardTimer:
         self.runner.forward = self._orig
 
 
+class TargetAsPlain:
+    """`--shared-target`: the plain side is the speculative engine's own target worker, swapped in as
+    the scheduler's worker for each plain call (the scheduler asks its worker for the rows per
+    request), so the target's weights are loaded once and 16 layers x 16 experts fit an 80 GB card.
+    The target captures only verify graphs in a speculative engine: its runner re-captures with the
+    plain decode spec added, so the plain side replays graphs as a plain engine does."""
+
+    def __init__(self, spec) -> None:
+        import gc
+
+        from sglang.srt.model_executor.cuda_graph_runner import DECODE_SPEC, CudaGraphRunner
+
+        self.spec, self.sched = spec, spec.scheduler
+        self.spec_worker = self.sched.tp_worker
+        self.target = self.spec_worker.target
+        self.model_config = spec.model_config
+        mr = self.target.model_runner
+        if mr.cuda_graph_runner is not None:
+            old = mr.cuda_graph_runner
+            specs, backend = (*old.specs, DECODE_SPEC), old.graph_backend
+            mr.cuda_graph_runner = old = None  # its graphs go before the new capture takes memory
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            mr.cuda_graph_runner = CudaGraphRunner(mr, backend, specs=specs)
+
+    def _drain(self) -> None:
+        while self.sched.has_work():  # a step in flight belongs to the worker that launched it
+            self.sched.step()
+
+    def generate(self, **kw):
+        self._drain()
+        self.sched.tp_worker = self.target
+        try:
+            return self.spec.generate(**kw)
+        finally:
+            self._drain()
+            self.sched.tp_worker = self.spec_worker
+
+
 def check_outputs(plain, spec, worker, prompts, sp, targets, deterministic: bool) -> dict:
     """Speculative == plain (deterministic) or within the stated bound, per mode; raises otherwise."""
     from sglang.srt.testing.spec_drafts import (batch_shape_noise, forced_drafts, verify_tolerance,
@@ -128,6 +168,13 @@ def check_outputs(plain, spec, worker, prompts, sp, targets, deterministic: bool
             "requests_parting_at_a_near_tie": first_diff}
 
 
+def _model_config(args):
+    """The target's config (its vocab) before any engine exists (--shared-target)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig(args.model_path)
+
+
 def run(args) -> dict:
     from sglang.srt.entrypoints.engine import Engine
     from sglang.srt.testing.spec_drafts import forced_drafts
@@ -139,18 +186,20 @@ def run(args) -> dict:
                   max_running_requests=max(4, *args.batch_sizes), cuda_graph_max_bs=max(4, *args.batch_sizes))
     if args.tokenizer_path:
         common["tokenizer_path"] = args.tokenizer_path
-    plain = Engine(**common)
+    plain = None if args.shared_target else Engine(**common)
+    vocab = (plain.model_config if plain else _model_config(args)).vocab_size
     token_map = args.speculative_token_map
     if token_map is None and args.hot_vocab:
         # a stand-in for a frequency ranking (FR-Spec): the lowest ids (BPE merges come roughly in
         # frequency order); forced drafts do not depend on it, natural ones may accept less
         token_map = os.path.join(args.out_dir, f"hot_{args.hot_vocab}.pt")
         os.makedirs(args.out_dir, exist_ok=True)
-        torch.save(torch.arange(min(args.hot_vocab, plain.model_config.vocab_size)), token_map)
+        torch.save(torch.arange(min(args.hot_vocab, vocab)), token_map)
     spec = Engine(**common, speculative_algorithm="EAGLE", speculative_num_steps=args.num_steps,
                   speculative_token_map=token_map, speculative_adaptive=args.adaptive)
     worker = spec.scheduler.tp_worker
-    vocab = plain.model_config.vocab_size
+    if plain is None:
+        plain = TargetAsPlain(spec)
     g = torch.Generator().manual_seed(0)
     result = {"batches": {}}
     for bs in args.batch_sizes:
@@ -259,6 +308,9 @@ def main() -> None:
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-total-tokens", type=int, default=32768)
+    p.add_argument("--shared-target", action="store_true",
+                   help="one engine: plain decoding runs on the speculative engine's own target worker (one copy "
+                        "of the weights: 16 layers x 16 experts on an 80 GB card)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes (checks the script, not speed)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args()
@@ -275,6 +327,7 @@ def main() -> None:
         args.load_format = "dummy"
     result = {"model": args.model_path, "layers": args.layers, "experts": args.experts if args.layers else None,
               "deterministic": args.deterministic, "adaptive": args.adaptive, "num_steps": args.num_steps,
+              "plain_side": "the speculative engine's target worker" if args.shared_target else "a plain engine",
               "speculative_token_map": args.speculative_token_map, "hot_vocab": args.hot_vocab, "prompt_len": args.prompt_len,
               "gen_len": args.gen_len, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "date": time.strftime("%Y-%m-%d"), **run(args)}

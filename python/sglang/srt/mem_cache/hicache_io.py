@@ -94,17 +94,20 @@ class PageRuns:
         ends = np.append(starts[1:], n)
         # a host run is copied in place iff no device break falls inside it
         in_place = (joint_id[ends - 1] == joint_id[starts]).tolist()
-        hpl, dpl = hp.tolist(), dp.tolist()
+        # only the runs' first pages go to Python (a whole-list tolist() was half the plan's cost);
+        # host pages are consecutive inside a run, so a piece's first host page is the run's + offset
         staged_idx: list[np.ndarray] = []
         pieces: list[tuple[int, int, int]] = []
         used = 0
-        for a, b, direct in zip(starts.tolist(), ends.tolist(), in_place):
+        for a, b, direct, h0, d0 in zip(starts.tolist(), ends.tolist(), in_place, hp[starts].tolist(),
+                                        dp[starts].tolist()):
             if direct:
-                self.direct.append((hpl[a], dpl[a], b - a))
+                self.direct.append((h0, d0, b - a))
                 continue
+            run0 = a
             while a < b:
                 take = min(b - a, max_staged - used)
-                pieces.append((hpl[a], used, take))
+                pieces.append((h0 + a - run0, used, take))
                 staged_idx.append(dp[a: a + take])
                 used, a = used + take, a + take
                 if used == max_staged:

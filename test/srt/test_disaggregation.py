@@ -19,7 +19,9 @@ Several servers behind the router (in-process servers with the fake backend, a r
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import itertools
+import os
 import random
 import signal
 import time
@@ -42,6 +44,11 @@ from sglang.srt.testing.pd import PDSetup
 from sglang.srt.testing.server import ServerProcess
 
 MODEL = "builtin:tiny-deepseek-v32"
+# The GPU container has no Mooncake (its wheel is ~100 MB, past what travels to the device): there the
+# tests that need it skip with this reason; CPU CI installs it, so nothing is skipped there.
+NEEDS_MOONCAKE = pytest.mark.skipif(
+    os.environ.get("SGLANG_TEST_DEVICE", "cpu") == "cuda" and importlib.util.find_spec("mooncake") is None,
+    reason="mooncake-transfer-engine is not in the GPU container; these TCP / CPU tests run in CPU CI")
 _rooms = itertools.count(1000)
 
 
@@ -245,11 +252,30 @@ def test_pd_decode_abort_frees_both_sides():
     _no_leak(p, d)
 
 
-def test_flags_validated():
+def test_flags_validated(monkeypatch):
     with pytest.raises(ServerArgsError, match="disaggregation-mode"):
         _args(disaggregation_mode="both")
     with pytest.raises(ServerArgsError, match="disaggregation-bootstrap-port"):
         _args(disaggregation_mode="decode", disaggregation_transfer_backend="fake", disaggregation_bootstrap_port=0)
+    # the fake backend memmoves host memory: KV on a GPU is a start-up error, not a segfault later
+    # (--device auto on a host that sees a GPU, as the GPU container is)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ServerArgsError, match="disaggregation-transfer-backend.*--device cpu"):
+        ServerArgs(model_path=MODEL, disaggregation_mode="prefill", disaggregation_transfer_backend="fake").validate()
+
+
+def test_fake_backend_refuses_device_tensors():
+    from sglang.srt.disaggregation.transfer import FakeBackend
+
+    b = FakeBackend()
+    try:
+        b.register_tensor(torch.zeros(4))
+        meta = torch.zeros(4, device="meta")  # any non-host tensor; no GPU needed
+        with pytest.raises(ValueError, match="copies host memory"):
+            b.register_tensor(meta)
+        assert len(b.regions) == 1
+    finally:
+        b.close()
 
 
 def test_pd_speculative_moves_draft_kv_and_matches_combined():
@@ -287,7 +313,9 @@ def test_pd_decode_really_reads_the_transferred_kv(monkeypatch):
 
 
 # -- real servers: prefill + decode + router (Mooncake over TCP) vs one combined server ---------------
-SERVER_ARGS = ("--max-total-tokens", "8192", "--random-seed", "0")
+# CPU even on a GPU host: these servers test scheduling and transfer over the CPU backends (the fake
+# backend memmoves host memory, the CPU Mooncake build reads host memory); cuda_ipc has its own test.
+SERVER_ARGS = ("--device", "cpu", "--max-total-tokens", "8192", "--random-seed", "0")
 TEXTS = ["The quick brown fox", "Once upon a time in a land far away, there lived", "1, 2, 3, 4,",
          "def fibonacci(n):", "Paris is the capital of", "Q: what is 7 times 6?\nA:"]
 
@@ -306,6 +334,7 @@ def _idle_no_leak(server: ServerProcess) -> dict:
                              "idle without leaks")
 
 
+@NEEDS_MOONCAKE
 @pytest.mark.parametrize("page_size", ["1", "64"])
 def test_servers_router_match_combined(page_size):
     args = (*SERVER_ARGS, "--page-size", page_size)
@@ -335,6 +364,7 @@ def test_servers_router_match_combined(page_size):
         assert pd_p["bytes_sent"] == pd_d["bytes_received"] == pages * pd_d["bytes_per_page"]
 
 
+@NEEDS_MOONCAKE
 def test_server_layout_mismatch_fails_at_handshake():
     with PDSetup(MODEL, *SERVER_ARGS, prefill_args=("--nsa-index-topk-freq", "4", "--nsa-index-topk-offset", "2")) as pd:
         r = requests.post(pd.base_url + "/v1/completions", json={"model": "default", "prompt": "hi", "max_tokens": 4},
@@ -346,6 +376,7 @@ def test_server_layout_mismatch_fails_at_handshake():
         _idle_no_leak(pd.decode)
 
 
+@NEEDS_MOONCAKE
 def test_killed_decode_server_mid_transfer():
     long_prompt = " ".join(f"w{i}" for i in range(700))  # ~2.4K tokens, prefilled in 64-token chunks
     with PDSetup(MODEL, *SERVER_ARGS, "--chunked-prefill-size", "64") as pd:
@@ -371,6 +402,7 @@ def test_mooncake_missing_is_a_startup_error(monkeypatch):
         _args(disaggregation_mode="prefill", disaggregation_transfer_backend="mooncake")
 
 
+@NEEDS_MOONCAKE
 def test_cp2_prefill_sends_only_its_pages():
     """Prefill with context parallel (cp = 2, gloo): each rank writes only the pages it owns; the
     decode server commits after both ranks' Done and decodes cp = 1's greedy tokens."""
@@ -390,6 +422,7 @@ def test_cp2_prefill_sends_only_its_pages():
         assert 0 < rank0 < pages, (rank0, pages)  # no rank sends (or holds) the full KV
 
 
+@NEEDS_MOONCAKE
 def test_native_generate_through_router():
     """/generate (upstream's native API) through the router, streaming, equals the combined server."""
     body = {"input_ids": list(range(5, 60)), "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
@@ -508,6 +541,7 @@ def test_pd_abort_during_chunked_prefill_frees_at_once(overlap, by, at):
     _no_leak(p, d)
 
 
+@NEEDS_MOONCAKE
 def test_cp2_prefill_with_speculative_decode():
     """CP = 2 prefill + EAGLE on both servers: draft KV pages move per rank like the target's, the
     draft state comes from rank 0; tokens equal a combined EAGLE server."""
@@ -675,6 +709,7 @@ def test_transfer_worker_survives_a_failed_write():
     w.close()
 
 
+@NEEDS_MOONCAKE
 def test_mooncake_backend_writes_many_ranges_and_fails_on_a_dead_peer():
     """MooncakeBackend.write (submit every range, then poll without spinning) moves every byte of
     many ranges of different sizes to the right place, and a write to a peer nobody answers for
@@ -791,6 +826,7 @@ def test_decode_admission_reserves_growth_of_requests_in_transfer():
     assert need <= free0, (len(admitted), need, free0)
 
 
+@NEEDS_MOONCAKE
 def test_mooncake_backend_windows_thousands_of_ranges_and_recovers_after_a_failure():
     """Issue 33: a write of more ranges than Mooncake's TCP lanes queue per peer (~1K) is submitted
     MOONCAKE_MAX_INFLIGHT at a time, so it is not refused with "queue-full"; after a failed write

@@ -115,6 +115,11 @@ class FakeBackend(TransferBackend):
     def register(self, ptr: int, nbytes: int) -> None:
         self.regions.append((ptr, ptr + nbytes))
 
+    def register_tensor(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu":  # memmove of a device address segfaults the process
+            raise ValueError(f"the fake transfer backend copies host memory; got a {t.device} tensor")
+        super().register_tensor(t)
+
     def _check(self, ptr: int, n: int) -> bool:
         return any(lo <= ptr and ptr + n <= hi for lo, hi in self.regions)
 

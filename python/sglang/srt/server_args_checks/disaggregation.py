@@ -21,6 +21,12 @@ class DisaggregationChecks(FlagChecks):
             reason = mooncake_import_error()
             if reason:
                 raise ServerArgsError("disaggregation_transfer_backend", reason)
+        if self.disaggregation_transfer_backend == "fake":
+            from sglang.srt.utils.common import resolve_device
+
+            if resolve_device(self.device) != "cpu":  # a GPU pointer would crash the memmove (segfault)
+                raise ServerArgsError("disaggregation_transfer_backend", "fake (tests only) copies host memory "
+                                      "with memmove: it needs --device cpu (KV on a GPU: cuda_ipc or mooncake)")
         if self.disaggregation_transfer_backend == "cuda_ipc":
             import torch
 

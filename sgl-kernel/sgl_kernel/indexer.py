@@ -34,7 +34,7 @@ def _index_scores_kernel(
     stride_qt, stride_wt, stride_out, stride_r2t,
     H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BT_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr, PREC: tl.constexpr,
-    PREC_W: tl.constexpr,
+    PREC_W: tl.constexpr, HEAD_SUM: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -63,9 +63,11 @@ def _index_scores_kernel(
     if FP8_DOT:
         q = q.to(tl.float8e4nv)  # exact: q holds FP8 values; FP8 x FP8 tensor-core products, fp32 sums
     w = tl.load(W + (t0 + tok) * stride_wt + head, mask=rmask, other=0.0)
-    # The head-weighted sum is a second matmul: W [BT_PAD, M] holds token i's head weights in its
-    # own columns, so sum_h w * relu(s) runs on tensor cores instead of a cross-thread reduction.
-    wmat = tl.where(tok[None, :] == offs_t[:, None], w[None, :], 0.0)  # [BT_PAD, M] fp32
+    if HEAD_SUM == "dot":
+        # The head-weighted sum as a second matmul: W [BT_PAD, M] holds token i's head weights in its
+        # own columns, so sum_h w * relu(s) runs on tensor cores instead of a cross-thread reduction
+        # (tf32 for bf16 queries; BT_PAD >= 16 rows of which BLOCK_T are used).
+        wmat = tl.where(tok[None, :] == offs_t[:, None], w[None, :], 0.0)  # [BT_PAD, M] fp32
 
     for kb in range(pid_s, tl.cdiv(n, BLOCK_N), NUM_SPLITS):
         offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,7 +83,10 @@ def _index_scores_kernel(
         else:
             k = tl.load(k_ptrs, mask=nmask[:, None], other=0.0).to(q.dtype)
         s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=PREC), 0.0)  # [M, BLOCK_N] fp32
-        sc = tl.dot(wmat, s, input_precision=PREC_W)  # [BT_PAD, BLOCK_N]
+        if HEAD_SUM == "dot":
+            sc = tl.dot(wmat, s, input_precision=PREC_W)  # [BT_PAD, BLOCK_N]
+        else:  # "sum": fp32 products reduced over the H rows of each token (BT_PAD == BLOCK_T here)
+            sc = tl.sum(tl.reshape(s * w[:, None], (BT_PAD, H, BLOCK_N)), axis=1)
         if FP8:
             ks = tl.load(KSCALE + page * row_f32 + scale_base + off, mask=nmask, other=0.0)
             sc = sc * ks[None, :]
@@ -117,13 +122,19 @@ def index_scores(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    head_sum: str = "dot",
 ) -> torch.Tensor:
     """Write scores of each block's tokens into out[t - out_row0, :p_t + 1] (others untouched).
 
     q [T, H, D] (bf16 / fp32), weights [T, H] fp32 (folded), index_k_buffer uint8
     [pages, page_size * bytes/token], blocks int32 [NB, 2] (first token, count <= block_t) whose
     tokens share a request (any positions), out [T, W] fp32 with W > max position.
+    `head_sum`: "dot" (the head-weighted sum as a tensor-core matmul over >= 16 padded token rows,
+    tf32 for bf16 queries) or "sum" (an fp32 reduction over each token's H rows; block_t is rounded
+    up to a power of two) -- same sum, other rounding and cost; bench_attention_kernels times both.
     """
+    if head_sum not in ("dot", "sum"):
+        raise ValueError(f"head_sum {head_sum!r} is not one of dot, sum")
     t, h, d = q.shape
     if h & (h - 1) or d & (d - 1):
         raise ValueError(f"index heads ({h}) and head dim ({d}) must be powers of two")
@@ -141,9 +152,10 @@ def index_scores(
         q, weights, kdata, kscale, out, req_to_token, req_pool_indices, token_to_req, positions, blocks,
         skip_below, out_row0, page_size, row_bytes // data_dtype.itemsize, row_bytes // 4, data_bytes // 4,
         q.stride(0), weights.stride(0), out.stride(0), req_to_token.stride(0),
-        H=h, D=d, BLOCK_T=block_t, BT_PAD=max(16, next_pow2(block_t)), BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        FP8=fp8, FP8_DOT=fp8 and q.dtype == torch.bfloat16,
-        PREC=dot_precision(q.dtype), PREC_W="ieee" if q.dtype == torch.float32 else "tf32",
+        H=h, D=d, BLOCK_T=next_pow2(block_t) if head_sum == "sum" else block_t,
+        BT_PAD=next_pow2(block_t) if head_sum == "sum" else max(16, next_pow2(block_t)), BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, FP8=fp8, FP8_DOT=fp8 and q.dtype == torch.bfloat16,
+        PREC=dot_precision(q.dtype), PREC_W="ieee" if q.dtype == torch.float32 else "tf32", HEAD_SUM=head_sum,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -26,6 +26,8 @@ def test_attention_kernel_bench_smoke(tmp_path):
     result = json.loads((tmp_path / "attention_kernels_smoke.json").read_text())
     kinds = {r["kernel"] for r in result["rows"]}
     assert {"sparse MLA decode", "sparse MLA prefill", "indexer scores prefill", "indexer top-k decode"} <= kinds
+    scores = [r for r in result["rows"] if r["kernel"].startswith("indexer scores")]
+    assert all(set(r["best_ms_by_head_sum"]) == {"dot", "sum"} for r in scores)  # both head sums timed
     assert (tmp_path / "attention_kernels_smoke.png").stat().st_size > 0
 
 

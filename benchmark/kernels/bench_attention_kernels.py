@@ -236,6 +236,11 @@ def bench_indexer(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
                      "GBps": pairs / cfg["block_t"] * (ID + 4) / ms_scores / 1e6, "config": cfg,
                      "best_ms_by_head_sum": per_head_sum})
         row = {"kernel": f"indexer top-k {kind}", "size": n, "ms": ms_topk, "GBps": pairs * 4 / ms_topk / 1e6}
+        if kind == "prefill" and not smoke:  # the fused path with the sampled-threshold prefilter: equal first
+            # (not in the smoke run: the interpreter takes ~50 s for it; test_topk checks it exactly)
+            if not torch.equal(fast_topk(scores, lengths, k_top, prefilter=True), fast_topk(scores, lengths, k_top)):
+                raise AssertionError("top-k prefilter differs from the fused path")
+            row["ms_prefilter"] = _bench(lambda: fast_topk(scores, lengths, k_top, prefilter=True), device)
         if kind == "decode":  # decode runs in CUDA graphs: scores + top-k back to back, replayed
             row["ms_graph"] = _bench(lambda: fast_topk(scores, lengths, k_top), device, graph=True)
             row["ms_graph_scores_plus_topk"] = _bench(run, device, graph=True)

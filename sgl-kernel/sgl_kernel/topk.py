@@ -58,6 +58,7 @@ _INT_MIN = -(2**31)
 # Columns per program in the split path. H100, 32K keys in a CUDA graph: batch 1 at 8 / 16 / 32
 # chunks 0.033 / 0.025 / 0.023 ms; batch 64 at 5 / 8 / 16 chunks 0.076 / 0.068 / 0.071 ms.
 SPLIT_MIN_CHUNK = 1024
+PREFILTER_SAMPLE = 1024  # columns of a row sampled for the prefilter's threshold
 MAX_SPLIT = 64  # each program of a pass reads all S histograms of its row: S^2 x 2^RADIX_BITS per row
 
 
@@ -102,9 +103,11 @@ def _choose(hist, need, BINS: tl.constexpr):
 
 
 @triton.jit
-def _write_pass(row, out, start, end, pref, pmask, need, eq_seen, off, BLOCK: tl.constexpr):
+def _write_pass(row, out, start, end, pref, pmask, need, eq_seen, off, BLOCK: tl.constexpr, colmap,
+                MAPPED: tl.constexpr):
     """Stores, in column order from out[off], the columns of [start, end) whose key prefix is above
-    `pref`, and those equal to it while fewer than `need` equal ones were seen (eq_seen before)."""
+    `pref`, and those equal to it while fewer than `need` equal ones were seen (eq_seen before).
+    MAPPED: `row` holds gathered candidates and colmap[i] the column of candidate i."""
     thr = pref ^ -2147483648  # unsigned prefixes compared as signed after flipping the top bit
     for s in range(start, end, BLOCK):
         cols = s + tl.arange(0, BLOCK)
@@ -113,6 +116,8 @@ def _write_pass(row, out, start, end, pref, pmask, need, eq_seen, off, BLOCK: tl
         eq = (valid & (pk == thr)).to(tl.int32)
         take = (valid & (pk > thr)) | ((eq == 1) & (eq_seen + tl.cumsum(eq, 0) <= need))
         t = take.to(tl.int32)
+        if MAPPED:
+            cols = tl.load(colmap + cols, mask=take, other=0)
         tl.store(out + off + tl.cumsum(t, 0) - 1, cols, mask=take)
         off += tl.sum(t, 0)
         eq_seen += tl.sum(eq, 0)
@@ -126,9 +131,28 @@ def _write_short(out, n, K, KBLOCK: tl.constexpr):
 
 
 @triton.jit
+def _radix_select(row, n, K, RB: tl.constexpr, NPASS: tl.constexpr, BLOCK: tl.constexpr):
+    """Every pass of one program over row[0, n): the k-th key's prefix, its mask, and how many keys
+    equal to it are still needed."""
+    BINS: tl.constexpr = 1 << RB
+    zero = n * 0
+    pref, pmask, need, done = zero, zero, zero + K, zero
+    for p in tl.static_range(NPASS):
+        if done == 0:
+            # Digit of pass p: key bits [LO, 32 - p * RB), the last one clamped at bit 0.
+            LO: tl.constexpr = 32 - (p + 1) * RB if 32 - (p + 1) * RB > 0 else 0
+            hist, lmax, lmin = _scan_pass(row, 0, n, pref, pmask, LO, BINS, BLOCK)
+            b, above, count = _choose(hist, need, BINS)
+            need -= above
+            pref |= b << LO
+            pmask |= (zero + (BINS - 1)) << LO  # int32 shift: wraps into the sign bit
+            done = ((count == need) | (lmax == lmin)).to(tl.int32)
+    return pref, pmask, need
+
+
+@triton.jit
 def _topk_fused_kernel(x_ptr, len_ptr, out_ptr, stride, K, RB: tl.constexpr, NPASS: tl.constexpr,
                        BLOCK: tl.constexpr, KBLOCK: tl.constexpr):
-    BINS: tl.constexpr = 1 << RB
     r = tl.program_id(0)
     row = x_ptr + r.to(tl.int64) * stride
     out = out_ptr + r.to(tl.int64) * K
@@ -136,19 +160,59 @@ def _topk_fused_kernel(x_ptr, len_ptr, out_ptr, stride, K, RB: tl.constexpr, NPA
     if n <= K:
         _write_short(out, n, K, KBLOCK)
     else:
-        zero = n * 0
-        pref, pmask, need, done = zero, zero, zero + K, zero
-        for p in tl.static_range(NPASS):
-            if done == 0:
-                # Digit of pass p: key bits [LO, 32 - p * RB), the last one clamped at bit 0.
-                LO: tl.constexpr = 32 - (p + 1) * RB if 32 - (p + 1) * RB > 0 else 0
-                hist, lmax, lmin = _scan_pass(row, 0, n, pref, pmask, LO, BINS, BLOCK)
-                b, above, count = _choose(hist, need, BINS)
-                need -= above
-                pref |= b << LO
-                pmask |= (zero + (BINS - 1)) << LO  # int32 shift: wraps into the sign bit
-                done = ((count == need) | (lmax == lmin)).to(tl.int32)
-        _write_pass(row, out, 0, n, pref, pmask, need, zero, zero, BLOCK)
+        pref, pmask, need = _radix_select(row, n, K, RB, NPASS, BLOCK)
+        _write_pass(row, out, 0, n, pref, pmask, need, n * 0, n * 0, BLOCK, row, False)
+
+
+@triton.jit
+def _gather_pass(row, cv, cc, n, thr, CAP, BLOCK: tl.constexpr):
+    """Copies the values of row[0, n) whose signed-order key is >= thr, in column order, into cv and
+    their columns into cc (the first CAP of them); returns how many there are, stored or not."""
+    off = n * 0
+    for s in range(0, n, BLOCK):
+        cols = s + tl.arange(0, BLOCK)
+        valid = cols < n
+        x = tl.load(row + cols, mask=valid, other=0.0)
+        take = valid & ((_ukey(x) ^ -2147483648) >= thr)
+        t = take.to(tl.int32)
+        pos = off + tl.cumsum(t, 0) - 1
+        keep = take & (pos < CAP)
+        tl.store(cv + pos, x, mask=keep)
+        tl.store(cc + pos, cols, mask=keep)
+        off += tl.sum(t, 0)
+    return off
+
+
+@triton.jit
+def _topk_prefilter_kernel(x_ptr, len_ptr, out_ptr, cv_ptr, cc_ptr, stride, K, CAP, RB: tl.constexpr,
+                           NPASS: tl.constexpr, BLOCK: tl.constexpr, KBLOCK: tl.constexpr, SAMPLE: tl.constexpr):
+    """The fused path with one cheap pass first: a threshold from a strided sample of the row (its
+    key of rank ~1.5 k n / SAMPLE), every column at or above it gathered in column order; when they
+    are at least k and at most CAP the radix passes run over those candidates only, else over the
+    row. Either way the k largest are exactly the fused path's (they all sit at or above a threshold
+    that at least k columns reach)."""
+    r = tl.program_id(0)
+    row = x_ptr + r.to(tl.int64) * stride
+    out = out_ptr + r.to(tl.int64) * K
+    n = tl.load(len_ptr + r).to(tl.int32)
+    if n <= K:
+        _write_short(out, n, K, KBLOCK)
+    else:
+        j = tl.arange(0, SAMPLE)
+        pick = ((j.to(tl.int64) * n) // SAMPLE).to(tl.int32)  # strided positions < n
+        sk = _ukey(tl.load(row + pick)) ^ -2147483648  # signed order
+        srt = tl.sort(sk, descending=True)
+        rank = tl.minimum((3 * K * SAMPLE) // (2 * n), SAMPLE - 1)
+        thr = tl.sum(tl.where(j == rank, srt, 0), 0)
+        cv = cv_ptr + r.to(tl.int64) * CAP
+        cc = cc_ptr + r.to(tl.int64) * CAP
+        cnt = _gather_pass(row, cv, cc, n, thr, CAP, BLOCK)
+        if (cnt >= K) & (cnt <= CAP):
+            pref, pmask, need = _radix_select(cv, cnt, K, RB, NPASS, BLOCK)
+            _write_pass(cv, out, 0, cnt, pref, pmask, need, n * 0, n * 0, BLOCK, cc, True)
+        else:  # the sample misjudged this row: every pass over the row
+            pref, pmask, need = _radix_select(row, n, K, RB, NPASS, BLOCK)
+            _write_pass(row, out, 0, n, pref, pmask, need, n * 0, n * 0, BLOCK, row, False)
 
 
 @triton.jit
@@ -259,8 +323,9 @@ def _split_write_kernel(x_ptr, len_ptr, state_ptr, hist_ptr, low_ptr, cnt_ptr, o
                 gt += tl.load(cnt_ptr + (r * 2) * S + cc)
                 eq += tl.load(cnt_ptr + (r * 2 + 1) * S + cc)
         start = c * CHUNK
-        _write_pass(x_ptr + r.to(tl.int64) * stride, out, start, tl.minimum(start + CHUNK, n), pref, pmask, need,
-                    eq, gt + tl.minimum(eq, need), BLOCK)
+        row = x_ptr + r.to(tl.int64) * stride
+        _write_pass(row, out, start, tl.minimum(start + CHUNK, n), pref, pmask, need, eq, gt + tl.minimum(eq, need),
+                    BLOCK, row, False)
 
 
 @functools.lru_cache(maxsize=8)
@@ -281,13 +346,15 @@ def auto_split(rows: int, width: int, device: torch.device) -> int:
 
 def fast_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
               split: int | None = None, radix_bits: int | None = None, block: int | None = None,
-              num_warps: int | None = None) -> torch.Tensor:
+              num_warps: int | None = None, prefilter: bool = False) -> torch.Tensor:
     """Indices [R, k] int32 of each row's top-k over its first lengths[r] columns (module docstring).
 
     scores: [R, W] fp32 with unit column stride (any row stride). lengths: [R] int32/int64 on the
     same device, 0 <= lengths[r] <= W (read by the kernel: no host sync). Knobs (results do not
     depend on them): split (chunks per row, None = auto_split), radix_bits (5..8; default 6 fused,
-    8 split), block (columns per loop step, power of 2), num_warps.
+    8 split), block (columns per loop step, power of 2), num_warps, prefilter (fused path only: one
+    gather pass above a sampled threshold, then the radix passes over <= 2k candidates per row;
+    scratch 8 x 2k bytes per row).
     """
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be a 2-D float32 tensor, got {tuple(scores.shape)} {scores.dtype}")
@@ -311,6 +378,14 @@ def fast_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Te
     npass = triton.cdiv(32, rb)
     kblock = min(1024, next_pow2(k))
     stride = scores.stride(0)
+    if split == 1 and prefilter:
+        cap = 2 * k
+        cv = torch.empty((rows, cap), dtype=torch.float32, device=scores.device)
+        cc = torch.empty((rows, cap), dtype=torch.int32, device=scores.device)
+        _topk_prefilter_kernel[(rows,)](scores, lengths, out, cv, cc, stride, k, cap, RB=rb, NPASS=npass,
+                                        BLOCK=block or 1024, KBLOCK=kblock, SAMPLE=PREFILTER_SAMPLE,
+                                        num_warps=num_warps or 8)
+        return out
     if split == 1:
         _topk_fused_kernel[(rows,)](scores, lengths, out, stride, k, RB=rb, NPASS=npass, BLOCK=block or 1024,
                                     KBLOCK=kblock, num_warps=num_warps or 8)

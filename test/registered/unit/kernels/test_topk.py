@@ -21,8 +21,9 @@ POISON = -7
 
 # (split, radix_bits, block): fused at the default / widest / a width not dividing 32, and split
 # rows with 8- and 6-bit digits (chunks of a few blocks each).
-CONFIGS = [(1, 6, 64), (1, 8, 32), (1, 5, 64), (4, 8, 32), (3, 6, 32)]
-IDS = [f"split{s}-rb{r}-blk{b}" for s, r, b in CONFIGS]
+# The fused path also with the prefilter (a sampled threshold, the passes over the gathered rows).
+CONFIGS = [(1, 6, 64), (1, 8, 32), (1, 5, 64), (4, 8, 32), (3, 6, 32), (1, 6, 64, True), (1, 8, 16, True)]
+IDS = [f"split{c[0]}-rb{c[1]}-blk{c[2]}" + ("-prefilter" if c[3:] and c[3] else "") for c in CONFIGS]
 
 
 def brute_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
@@ -39,9 +40,10 @@ def brute_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Ten
 
 def run(scores: torch.Tensor, lengths: torch.Tensor, k: int, cfg) -> torch.Tensor:
     """fast_topk on DEVICE into a poisoned output (unwritten entries show up as POISON)."""
-    split, rb, block = cfg
+    split, rb, block, *pre = cfg
     out = torch.full((scores.shape[0], k), POISON, dtype=torch.int32, device=DEVICE)
-    got = fast_topk(scores.to(DEVICE), lengths.to(DEVICE), k, out=out, split=split, radix_bits=rb, block=block)
+    got = fast_topk(scores.to(DEVICE), lengths.to(DEVICE), k, out=out, split=split, radix_bits=rb, block=block,
+                    prefilter=bool(pre and pre[0]))
     assert got.data_ptr() == out.data_ptr()
     return got.cpu()
 
@@ -83,7 +85,7 @@ def test_zoo_matches_twin_and_brute_force(cfg):
     assert torch.equal(run(scores, lengths, k, cfg), ref)
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=[IDS[0], IDS[3]])
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=[IDS[0], IDS[3]])  # prefilter: exact in the zoo
 def test_batch_invariance_and_padding(cfg):
     """A row's indices do not depend on its neighbours, its position or the width / contents of
     the padding beyond its length (+inf and NaN there would win if read), nor on the row stride."""
@@ -130,7 +132,7 @@ def test_long_rows_with_massive_ties():
     lengths = torch.tensor([width, 650], dtype=torch.int32)
     ref = fast_topk_ref(scores, lengths, k)
     assert torch.equal(ref, brute_topk(scores, lengths, k))
-    for cfg in [(1, 8, 128), (6, 8, 64)]:
+    for cfg in [(1, 8, 128), (6, 8, 64), (1, 8, 128, True)]:
         assert torch.equal(run(scores, lengths, k, cfg), ref)
 
 
@@ -159,6 +161,9 @@ def build(fn, sig, consts, warps):
 common = {"len_ptr": "*i64", "state_ptr": "*i32"}
 build(T._topk_fused_kernel, {"x_ptr": ptr, "len_ptr": "*i32", "out_ptr": "*i32", "stride": i32, "K": i32},
       {"RB": 6, "NPASS": 6, "BLOCK": 1024, "KBLOCK": 1024}, 8)
+build(T._topk_prefilter_kernel, {"x_ptr": ptr, "len_ptr": "*i32", "out_ptr": "*i32", "cv_ptr": ptr, "cc_ptr": "*i32",
+                                 "stride": i32, "K": i32, "CAP": i32},
+      {"RB": 6, "NPASS": 6, "BLOCK": 1024, "KBLOCK": 1024, "SAMPLE": 1024}, 8)
 split = {"x_ptr": ptr, **common, "hist_ptr": "*i32", "low_ptr": "*i32", "cnt_ptr": "*i32", "stride": i32,
          "K": i32, "CHUNK": i32, "S": i32, "R": i32}
 for p, lo_prev, lo in ((0, 0, 24), (3, 8, 0)):
@@ -219,5 +224,5 @@ def test_twin_matches_brute_force(case):
 @given(cases(max_rows=3, max_width=48), st.sampled_from(CONFIGS))
 def test_kernel_matches_brute_force(case, cfg):
     scores, lengths, k = case
-    split, rb, _ = cfg
-    assert torch.equal(run(scores, lengths, k, (split, rb, 16)), brute_topk(scores, lengths, k))
+    split, rb, _, *pre = cfg
+    assert torch.equal(run(scores, lengths, k, (split, rb, 16, *pre)), brute_topk(scores, lengths, k))

@@ -411,6 +411,22 @@ def fast_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Te
     return out
 
 
+def prefilter_candidates_ref(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row, how many columns the prefilter gathers (its sampled threshold, as the kernel takes it):
+    in [k, 2k] the radix passes run over those only, else over the whole row. Rows with n <= k: 0."""
+    rows = scores.shape[0]
+    n = lengths.to(torch.int64)
+    j = torch.arange(PREFILTER_SAMPLE, device=scores.device)
+    pick = (j[None, :] * n[:, None]) // PREFILTER_SAMPLE
+    keys = order_key(scores)
+    sample = keys.gather(1, pick.clamp(max=scores.shape[1] - 1)).sort(dim=1, descending=True).values
+    rank = torch.clamp((3 * k * PREFILTER_SAMPLE) // (2 * n.clamp(min=1)), max=PREFILTER_SAMPLE - 1)
+    thr = sample.gather(1, rank[:, None])
+    cols = torch.arange(scores.shape[1], device=scores.device)
+    cnt = ((keys >= thr) & (cols[None, :] < n[:, None])).sum(1)
+    return torch.where(n > k, cnt, torch.zeros(rows, dtype=cnt.dtype, device=cnt.device))
+
+
 def order_key(scores: torch.Tensor) -> torch.Tensor:
     """Signed int32 key with the order of the fp32 values (-0.0 == +0.0); the kernel's unsigned key
     is this one with the top bit flipped."""

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sgl_kernel.topk import fast_topk, fast_topk_ref
+from sgl_kernel.topk import fast_topk, fast_topk_ref, prefilter_candidates_ref
 
 DEVICE = os.environ.get("SGLANG_TEST_DEVICE", "cpu")
 POISON = -7
@@ -226,3 +226,18 @@ def test_kernel_matches_brute_force(case, cfg):
     scores, lengths, k = case
     split, rb, _, *pre = cfg
     assert torch.equal(run(scores, lengths, k, (split, rb, 16, *pre)), brute_topk(scores, lengths, k))
+
+
+def test_prefilter_takes_the_short_path_on_indexer_like_rows():
+    """The prefilter pays only if its sampled threshold leaves k..2k candidates: on rows shaped like
+    indexer scores (Gaussian, FP8-valued with ties, a causal length) at V3.2's k = 2048 it does, so
+    the radix passes run over at most 2k columns, not the row (the output is exact either way)."""
+    g = torch.Generator().manual_seed(3)
+    k = 2048
+    for width in (8192, 32768):
+        scores = torch.cat([torch.randn(4, width, generator=g), fp8_grid((4, width), g)])
+        lengths = torch.tensor([width, width, width // 2, 3 * k] * 2, dtype=torch.int32)
+        cnt = prefilter_candidates_ref(scores, lengths, k)
+        assert ((cnt >= k) & (cnt <= 2 * k)).all(), (width, cnt.tolist())
+    same = torch.full((1, 8192), 1.5)  # all tied: every column is a candidate, the row path runs
+    assert prefilter_candidates_ref(same, torch.tensor([8192]), k).item() == 8192

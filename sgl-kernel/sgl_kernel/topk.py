@@ -151,20 +151,6 @@ def _radix_select(row, n, K, RB: tl.constexpr, NPASS: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
-def _topk_fused_kernel(x_ptr, len_ptr, out_ptr, stride, K, RB: tl.constexpr, NPASS: tl.constexpr,
-                       BLOCK: tl.constexpr, KBLOCK: tl.constexpr):
-    r = tl.program_id(0)
-    row = x_ptr + r.to(tl.int64) * stride
-    out = out_ptr + r.to(tl.int64) * K
-    n = tl.load(len_ptr + r).to(tl.int32)
-    if n <= K:
-        _write_short(out, n, K, KBLOCK)
-    else:
-        pref, pmask, need = _radix_select(row, n, K, RB, NPASS, BLOCK)
-        _write_pass(row, out, 0, n, pref, pmask, need, n * 0, n * 0, BLOCK, row, False)
-
-
-@triton.jit
 def _gather_pass(row, cv, cc, n, thr, CAP, BLOCK: tl.constexpr):
     """Copies the values of row[0, n) whose signed-order key is >= thr, in column order, into cv and
     their columns into cc (the first CAP of them); returns how many there are, stored or not."""
@@ -184,13 +170,14 @@ def _gather_pass(row, cv, cc, n, thr, CAP, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _topk_prefilter_kernel(x_ptr, len_ptr, out_ptr, cv_ptr, cc_ptr, stride, K, CAP, RB: tl.constexpr,
-                           NPASS: tl.constexpr, BLOCK: tl.constexpr, KBLOCK: tl.constexpr, SAMPLE: tl.constexpr):
-    """The fused path with one cheap pass first: a threshold from a strided sample of the row (its
-    key of rank ~1.5 k n / SAMPLE), every column at or above it gathered in column order; when they
-    are at least k and at most CAP the radix passes run over those candidates only, else over the
-    row. Either way the k largest are exactly the fused path's (they all sit at or above a threshold
-    that at least k columns reach)."""
+def _topk_fused_kernel(x_ptr, len_ptr, out_ptr, cv_ptr, cc_ptr, stride, K, CAP, RB: tl.constexpr,
+                       NPASS: tl.constexpr, BLOCK: tl.constexpr, KBLOCK: tl.constexpr, PREFILTER: tl.constexpr,
+                       SAMPLE: tl.constexpr):
+    """One program per row runs every radix pass, then the write. PREFILTER: one cheap pass first --
+    a threshold from a strided sample of the row (its key of rank ~1.5 k n / SAMPLE), every column at
+    or above it gathered in column order into cv / cc; when they are at least k and at most CAP the
+    passes run over those candidates only, else over the row. Either way the k largest are the same
+    (they all sit at or above a threshold that at least k columns reach)."""
     r = tl.program_id(0)
     row = x_ptr + r.to(tl.int64) * stride
     out = out_ptr + r.to(tl.int64) * K
@@ -198,19 +185,22 @@ def _topk_prefilter_kernel(x_ptr, len_ptr, out_ptr, cv_ptr, cc_ptr, stride, K, C
     if n <= K:
         _write_short(out, n, K, KBLOCK)
     else:
-        j = tl.arange(0, SAMPLE)
-        pick = ((j.to(tl.int64) * n) // SAMPLE).to(tl.int32)  # strided positions < n
-        sk = _ukey(tl.load(row + pick)) ^ -2147483648  # signed order
-        srt = tl.sort(sk, descending=True)
-        rank = tl.minimum((3 * K * SAMPLE) // (2 * n), SAMPLE - 1)
-        thr = tl.sum(tl.where(j == rank, srt, 0), 0)
-        cv = cv_ptr + r.to(tl.int64) * CAP
-        cc = cc_ptr + r.to(tl.int64) * CAP
-        cnt = _gather_pass(row, cv, cc, n, thr, CAP, BLOCK)
-        if (cnt >= K) & (cnt <= CAP):
-            pref, pmask, need = _radix_select(cv, cnt, K, RB, NPASS, BLOCK)
-            _write_pass(cv, out, 0, cnt, pref, pmask, need, n * 0, n * 0, BLOCK, cc, True)
-        else:  # the sample misjudged this row: every pass over the row
+        use_row = n * 0 + 1
+        if PREFILTER:
+            j = tl.arange(0, SAMPLE)
+            pick = ((j.to(tl.int64) * n) // SAMPLE).to(tl.int32)  # strided positions < n
+            sk = _ukey(tl.load(row + pick)) ^ -2147483648  # signed order
+            srt = tl.sort(sk, descending=True)
+            rank = tl.minimum((3 * K * SAMPLE) // (2 * n), SAMPLE - 1)
+            thr = tl.sum(tl.where(j == rank, srt, 0), 0)
+            cv = cv_ptr + r.to(tl.int64) * CAP
+            cc = cc_ptr + r.to(tl.int64) * CAP
+            cnt = _gather_pass(row, cv, cc, n, thr, CAP, BLOCK)
+            use_row = ((cnt < K) | (cnt > CAP)).to(tl.int32)  # the sample misjudged this row
+            if use_row == 0:
+                pref, pmask, need = _radix_select(cv, cnt, K, RB, NPASS, BLOCK)
+                _write_pass(cv, out, 0, cnt, pref, pmask, need, n * 0, n * 0, BLOCK, cc, True)
+        if use_row == 1:
             pref, pmask, need = _radix_select(row, n, K, RB, NPASS, BLOCK)
             _write_pass(row, out, 0, n, pref, pmask, need, n * 0, n * 0, BLOCK, row, False)
 
@@ -378,17 +368,13 @@ def fast_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Te
     npass = triton.cdiv(32, rb)
     kblock = min(1024, next_pow2(k))
     stride = scores.stride(0)
-    if split == 1 and prefilter:
-        cap = 2 * k
-        cv = torch.empty((rows, cap), dtype=torch.float32, device=scores.device)
-        cc = torch.empty((rows, cap), dtype=torch.int32, device=scores.device)
-        _topk_prefilter_kernel[(rows,)](scores, lengths, out, cv, cc, stride, k, cap, RB=rb, NPASS=npass,
-                                        BLOCK=block or 1024, KBLOCK=kblock, SAMPLE=PREFILTER_SAMPLE,
-                                        num_warps=num_warps or 8)
-        return out
     if split == 1:
-        _topk_fused_kernel[(rows,)](scores, lengths, out, stride, k, RB=rb, NPASS=npass, BLOCK=block or 1024,
-                                    KBLOCK=kblock, num_warps=num_warps or 8)
+        cap = 2 * k if prefilter else 0
+        cv = torch.empty((rows, cap), dtype=torch.float32, device=scores.device) if prefilter else scores
+        cc = torch.empty((rows, cap), dtype=torch.int32, device=scores.device) if prefilter else out
+        _topk_fused_kernel[(rows,)](scores, lengths, out, cv, cc, stride, k, cap, RB=rb, NPASS=npass,
+                                    BLOCK=block or 1024, KBLOCK=kblock, PREFILTER=prefilter, SAMPLE=PREFILTER_SAMPLE,
+                                    num_warps=num_warps or 8)
         return out
     chunk = triton.cdiv(triton.cdiv(width, split), block or 1024) * (block or 1024)
     s = triton.cdiv(width, chunk) if width else 1

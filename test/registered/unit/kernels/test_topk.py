@@ -159,11 +159,10 @@ def build(fn, sig, consts, warps):
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 common = {"len_ptr": "*i64", "state_ptr": "*i32"}
-build(T._topk_fused_kernel, {"x_ptr": ptr, "len_ptr": "*i32", "out_ptr": "*i32", "stride": i32, "K": i32},
-      {"RB": 6, "NPASS": 6, "BLOCK": 1024, "KBLOCK": 1024}, 8)
-build(T._topk_prefilter_kernel, {"x_ptr": ptr, "len_ptr": "*i32", "out_ptr": "*i32", "cv_ptr": ptr, "cc_ptr": "*i32",
+for pre in (False, True):
+    build(T._topk_fused_kernel, {"x_ptr": ptr, "len_ptr": "*i32", "out_ptr": "*i32", "cv_ptr": ptr, "cc_ptr": "*i32",
                                  "stride": i32, "K": i32, "CAP": i32},
-      {"RB": 6, "NPASS": 6, "BLOCK": 1024, "KBLOCK": 1024, "SAMPLE": 1024}, 8)
+          {"RB": 6, "NPASS": 6, "BLOCK": 1024, "KBLOCK": 1024, "PREFILTER": pre, "SAMPLE": 1024}, 8)
 split = {"x_ptr": ptr, **common, "hist_ptr": "*i32", "low_ptr": "*i32", "cnt_ptr": "*i32", "stride": i32,
          "K": i32, "CHUNK": i32, "S": i32, "R": i32}
 for p, lo_prev, lo in ((0, 0, 24), (3, 8, 0)):

@@ -6,7 +6,9 @@ uint16 bits in `tl.dot`; `patch_interpreter()` upcasts them first (what the GPU'
 and multiplies float32 tiles in float64 (each row independent of its tile neighbours, as on a GPU),
 so the bf16 code paths are testable on CPU too. Its fp32 -> bf16 / e4m3 casts truncate, while the
 GPU rounds to nearest even; the patch rounds like the GPU (through torch's casts, which do), so CPU
-kernel results equal the torch twins bit for bit where the GPU's would.
+kernel results equal the torch twins bit for bit where the GPU's would. Triton 3.6's interpreter (the
+GPU machine's) cannot take a kernel scalar as a `range` bound under NumPy 2.4; the patch converts it
+the way 3.9 does.
 """
 
 from __future__ import annotations
@@ -85,6 +87,21 @@ def patch_interpreter() -> None:
     interp.InterpreterBuilder.cast_impl = cast_rne
     interp.InterpreterBuilder.create_fp_trunc = lambda self, src, dst_type: cast_rne(self, src, dst_type)
     interp.InterpreterBuilder.create_fp_to_fp = fp_to_fp_rne
+
+    patch_tensor = getattr(interp, "_patch_lang_tensor", None)
+    if patch_tensor is not None:  # Triton 3.6's interpreter (the device's): see scalar_index
+        def patch_lang_tensor(tensor, scope):
+            patch_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", scalar_index)
+
+        interp._patch_lang_tensor = patch_lang_tensor
+
+
+def scalar_index(t) -> int:
+    """A kernel scalar as a Python int (`range(kb0, kb1)` bounds). The interpreter holds scalars as
+    1-element arrays; Triton 3.6 converts them with int(array), which NumPy 2.4 refuses for ndim > 0
+    (3.9 squeezes first, as here)."""
+    return int(t.handle.data.squeeze())
 
 
 def dot_precision(dtype: torch.dtype) -> str:

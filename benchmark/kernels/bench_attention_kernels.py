@@ -42,13 +42,16 @@ def _bench(fn, device: str, graph: bool = False) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-# Decode candidates: the serving tile (triton_backend.MLA_DECODE), then the tile before issue 31
-# ("v1": 32 heads x 64 keys, 4 warps: spilled, mma.sync), then another candidate. Each is timed at
-# the split of split_keys_for (fixed by index_topk: batch-invariant) and over SPLIT_SWEEP (other
-# fixed splits, to show the batch 1 / batch 64 trade-off: more splits fill the GPU at batch 1 and
-# cost partial-output traffic at batch 64).
+# Decode candidates: the serving tile (sgl_kernel.mla_split.MLA_DECODE) at the default rule's split
+# for the batch ("serving") and at the fixed split of deterministic inference ("deterministic"), then
+# other tiles. Each is timed at the split of split_keys_for (fixed by index_topk: batch-invariant), the
+# serving tile also over SPLIT_SWEEP (other fixed splits, the batch 1 / batch 64 trade-off: more
+# splits fill the GPU at batch 1 and cost partial-output traffic at batch 64).
 DECODE_TILES = {"serving": None, "v1": dict(block_h=32, block_n=64, num_warps=4),
-                "h64n32": dict(block_h=64, block_n=32, num_warps=8)}
+                "h64n32": dict(block_h=64, block_n=32, num_warps=8),
+                "h64n64s3": dict(block_h=64, block_n=64, num_warps=8, num_stages=3),
+                "h32n64s3": dict(block_h=32, block_n=64, num_warps=4, num_stages=3),
+                "h32n64w8s3": dict(block_h=32, block_n=64, num_warps=8, num_stages=3)}
 SPLIT_SWEEP = (64, 128, 512, 2048)
 
 
@@ -79,6 +82,7 @@ def _paged_requests(bs: int, ctx: int, device: str, g: torch.Generator):
 
 
 def bench_mla(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
+    from sgl_kernel.mla_split import decode_split_keys
     from sgl_kernel.sparse_mla import mla_attention, mla_attention_ref, split_keys_for
     from sglang.srt.layers.attention.nsa.triton_backend import MLA_DECODE, MLA_EXTEND
 
@@ -111,13 +115,20 @@ def bench_mla(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
                 if smoke:
                     tile = dict(tile, block_h=16, block_n=16)
                 sk = split_keys_for(k_top, tile["block_n"])
+                if name == "serving":  # the default rule (by batch size); deterministic: the fixed split
+                    variants["serving"] = dict(tile, max_keys=k_top, split_keys=decode_split_keys(
+                        n, h, k_top, False, block_h=tile["block_h"], block_n=tile["block_n"]))
+                    name = "deterministic"
                 variants[name] = dict(tile, split_keys=sk, max_keys=k_top)
-                if name == "serving":
-                    for sk2 in ((16, 64) if smoke else SPLIT_SWEEP):
-                        variants[f"serving split{sk2}"] = dict(tile, split_keys=sk2, max_keys=k_top)
+                if name in ("deterministic", "h64n64s3"):  # other fixed splits of the tile
+                    tag = "serving" if name == "deterministic" else name
+                    for sk2 in ((16, 64) if smoke else SPLIT_SWEEP if tag == "serving" else (512, 1024, 2048)):
+                        variants[f"{tag} split{sk2}"] = dict(tile, split_keys=sk2, max_keys=k_top)
         else:
-            variants = {"serving": dict(MLA_EXTEND), "stages3": dict(MLA_EXTEND, num_stages=3),
-                        "h64n32": dict(MLA_EXTEND, block_n=32)}
+            variants = {"serving": dict(MLA_EXTEND), "stages2": dict(MLA_EXTEND, num_stages=2),
+                        "stages4": dict(MLA_EXTEND, num_stages=4), "h64n32s3": dict(MLA_EXTEND, block_n=32),
+                        "h32n64w4s3": dict(MLA_EXTEND, block_h=32, num_warps=4),
+                        "h64n128s2": dict(MLA_EXTEND, block_n=128, num_stages=2)}
             if smoke:
                 variants = {n: dict(v, block_h=16, block_n=16) for n, v in list(variants.items())[:2]}
         check_rows = slice(0, min(t, 64))
@@ -206,7 +217,9 @@ def bench_indexer(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
                  [(bt, 128, w_, hs) for bt in ((1,) if kind == "decode" else (1, 2)) for w_ in (4, 8)
                   for hs in ("dot", "sum")])
         ref_scores = scores.clone()
-        causal = torch.arange(ctx, device=device)[None, :] <= pos[:, None]
+        # entries the kernel writes: causal keys of rows past k_top (shorter rows' blocks may be skipped
+        # and keep the buffer's uninitialised bytes, NaN included)
+        causal = (torch.arange(ctx, device=device)[None, :] <= pos[:, None]) & (pos >= k_top)[:, None]
         per_head_sum = {}
         for bt, bn, w_, hs in sweep:
             blk = torch.tensor(token_blocks(starts, lens, bt), dtype=torch.int32).to(device)
@@ -216,7 +229,7 @@ def bench_indexer(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
                              pos, blk, scores, block_t=bt, skip_below=k_top, block_n=bn, num_warps=w_, head_sum=hs)
             try:
                 cand()
-                diff = ((scores - ref_scores).abs() * causal).max() / ref_scores[causal].abs().max()
+                diff = torch.where(causal, scores - ref_scores, 0).abs().max() / ref_scores[causal].abs().max()
                 if not diff < 1e-2:
                     raise AssertionError(f"indexer {kind} {hs}: scores differ from the default by {float(diff)}")
                 ms = _bench(cand, device)

@@ -14,9 +14,10 @@ gathered into a [tokens, k, C + R] tensor first.
 Decode has few tokens, so the keys of a token are split into chunks of SPLIT_KEYS key slots, one
 program each (split-K), whose partial (output, log-sum-exp) pairs a second kernel combines; extend
 uses one split and writes the output directly. Shapes and grids depend only on (tokens, heads,
-splits): graph-capturable. The chunking is fixed by SPLIT_KEYS, not by the batch size, and splits
-past a token's keys contribute exact zeros, so the reduction order of a (token, head) never
-depends on its batch mates: a request's result is the same alone or in any batch.
+splits): graph-capturable. Splits past a token's keys contribute exact zeros, so with a chunking
+fixed by the model (mla_split.split_keys_for, deterministic inference) the reduction order of a
+(token, head) never depends on its batch mates; the serving default picks the chunking by batch
+size (mla_split.decode_split_keys).
 
 FP8 KV (a uint8 buffer of DeepSeek's rows, sglang.srt.mem_cache.kv_fp8_format): keys are
 dequantised in-kernel as they are loaded (e4m3 bytes * the block's fp32 scale, cast to q's dtype;
@@ -26,12 +27,11 @@ mla_attention_ref over the dequantised buffer (the same values, so the same tole
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from sgl_kernel.mla_split import split_keys_for  # noqa: F401  (re-exported: the kernel's split rule)
 from sgl_kernel.utils import dot_precision, next_pow2, patch_interpreter
 
 patch_interpreter()
@@ -159,13 +159,6 @@ def _mla_combine_kernel(
                    mask=smask[:, None] & cmask[None, :], other=0.0)
     out = tl.sum(part * w[:, None], 0)
     tl.store(O + t * stride_ot + h * stride_oh + offs_c, out.to(O.dtype.element_ty), mask=cmask)
-
-
-def split_keys_for(max_keys: int, block_n: int = 32, max_splits: int = 32, min_keys: int = 256) -> int:
-    """Keys per split-K chunk for up to `max_keys` keys per token: a fixed function of the model
-    (index_topk, or the context length for dense attention), never of the batch."""
-    keys = max(min_keys, math.ceil(max_keys / max_splits))
-    return math.ceil(keys / block_n) * block_n
 
 
 def mla_attention(

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from sgl_kernel.mla_split import partial_rows
+
 from sglang.srt.layers.logits_processor import INPUT_LOGPROB_CHUNK_ROWS
 from sglang.srt.model_executor.cuda_graph_runner import get_batch_sizes_to_capture
 
@@ -33,8 +35,6 @@ MARGIN_FRACTION = 0.10  # of the activation + graph reserve
 # Bytes per logit element the sampler may hold at once (fp32 copy, softmax, sort values + int64
 # order, cumsum, masks: layers/sampler.py's top-k / top-p path).
 SAMPLER_BYTES_PER_LOGIT = 40
-# Decode split-K of the Triton MLA kernel: key slots per split (sgl_kernel.sparse_mla.split_keys_for).
-MLA_DECODE_BLOCK_N = 64
 DEFAULT_MAX_RUNNING_REQUESTS = 256  # model_runner's cap when --max-running-requests is not given
 
 
@@ -145,8 +145,7 @@ def estimate_forward_bytes(s: ModelShape, tokens: int, kv_width: int, logit_rows
                       + 2 * s.heads * s.v_head  # project_out + its reshape
                       + s.hidden)  # o_proj
     if decode:  # split-K partials (eager decode allocates them per call)
-        splits = math.ceil((s.index_topk or kv_width) / _split_keys(s.index_topk or kv_width))
-        absorb += t * s.heads * splits * (s.kv_lora + 1) * 4
+        absorb += _decode_partial_rows(t, s.heads, s.index_topk or kv_width) * (s.kv_lora + 1) * 4
     phases["attention: MLA"] = stream + common + absorb + topk_out
     if s.experts:
         n = t * s.top_k
@@ -165,10 +164,10 @@ def estimate_forward_bytes(s: ModelShape, tokens: int, kv_width: int, logit_rows
     return ActivationEstimate(tokens, kv_width, logit_rows, phases)
 
 
-def _split_keys(max_keys: int) -> int:
-    """sgl_kernel.sparse_mla.split_keys_for(max_keys, MLA_DECODE_BLOCK_N), without importing Triton."""
-    keys = max(256, math.ceil(max_keys / 32))
-    return math.ceil(keys / MLA_DECODE_BLOCK_N) * MLA_DECODE_BLOCK_N
+def _decode_partial_rows(batch: int, heads: int, max_keys: int) -> int:
+    """Rows of the MLA decode's split-K partials at `batch` tokens: the larger of the two split rules
+    (sgl_kernel.mla_split; the plan does not know the mode)."""
+    return max(partial_rows(batch, heads, max_keys, inv) for inv in (False, True))
 
 
 def max_step_tokens(server_args, context_len: int) -> int:
@@ -209,8 +208,8 @@ def cuda_graph_bytes(s: ModelShape, context_len: int, max_bs: int, specs: tuple[
             s.index_topk * 4 if sp.topk_out else 0)
         total += sum(b * sp.tokens_per_req for b in get_batch_sizes_to_capture(top)) * per_row
         total += rows_max * (6 * 8 + s.hidden * s.dtype_bytes)  # static inputs
-    splits = math.ceil((s.index_topk or context_len) / _split_keys(s.index_topk or context_len))
-    partials = top * s.heads * splits * (s.kv_lora + 1) * 4
+    rows = max(_decode_partial_rows(b, s.heads, s.index_topk or context_len) for b in range(1, top + 1))
+    partials = rows * (s.kv_lora + 1) * 4
     return total + act + partials
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from sgl_kernel.mla_split import MLA_DECODE, decode_split_keys, partial_rows
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.nsa.nsa_indexer import causal_topk, fold_fp8_query
@@ -29,10 +30,9 @@ from sglang.srt.utils.common import upload
 CPU_SCORE_BUDGET = 2**26
 CUDA_SCORE_BUDGET_MAX = 2**31
 INDEX_ROWS_PER_BLOCK = 128  # token block x index heads: the M of the scoring matmul
-# Tiles measured on the H200 and the H100 (benchmark/kernels/bench_attention_kernels.py). Fixed per
-# mode, never chosen by batch size, so a request's arithmetic is the same in any batch. Extend: 3
-# stages (the gathered K tiles prefetched two blocks ahead): 32K prefill 79 vs 122 ms at 2 on the H100.
-MLA_DECODE = dict(block_h=32, block_n=64, num_warps=4)
+# Tiles measured on the H200 and the H100 (benchmark/kernels/bench_attention_kernels.py), fixed per
+# mode (decode: sgl_kernel.mla_split.MLA_DECODE). Extend: 3 stages (the gathered K tiles prefetched
+# two blocks ahead): 32K prefill 79 vs 122 ms at 2 on the H100.
 MLA_EXTEND = dict(block_h=64, block_n=64, num_warps=8, num_stages=3)
 INDEX_BLOCK_N = 128
 # Dense MHA of short prefills (sgl_kernel.mha_prefill): the fastest of 5 tiles on the H100 at 1K / 2K
@@ -61,6 +61,7 @@ class TritonNSAMetadata:
     # extend: (token start, token end, first block, end block) per score chunk
     chunks: list[tuple[int, int, int, int]]
     split: bool = False  # decode: split-K attention
+    split_keys: int = 0  # decode: key slots per split-K chunk (0: one chunk), mla_split.decode_split_keys
     partial: tuple[torch.Tensor, torch.Tensor] | None = None  # preallocated split-K buffers
     dense: DenseMHAMetadata | None = None  # extend: requests that run dense MHA
 
@@ -79,12 +80,10 @@ class TritonNSABackend(AttentionBackend):
         self.kv_lora_rank = mc.kv_lora_rank
         self.topk_width = mc.index_topk if mc.is_dsa else 0
         self.index_heads = mc.index_n_heads if mc.is_dsa else 0
-        from sgl_kernel.sparse_mla import split_keys_for
-
-        # Decode split-K: a fixed chunking of a token's keys (batch-invariant results).
+        # Decode split-K (sgl_kernel.mla_split): a fixed chunking of a token's keys under
+        # deterministic inference (batch-invariant results), else chosen by the batch size.
         self.max_keys = self.topk_width if mc.is_dsa else self.context_len
-        self.split_keys = split_keys_for(self.max_keys, MLA_DECODE["block_n"])
-        self.num_splits = -(-self.max_keys // self.split_keys)
+        self.batch_invariant = bool(model_runner.server_args.enable_deterministic_inference)
         self.dense_rule = dense_prefill_rule(mc, model_runner.server_args.enable_deterministic_inference)
         self._graph_md: dict[int, TritonNSAMetadata] = {}
         self._graph_partial: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -102,9 +101,11 @@ class TritonNSABackend(AttentionBackend):
         cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         return int(min(CUDA_SCORE_BUDGET_MAX, (free + cached) // 4))
 
-    @staticmethod
-    def _decode_metadata(r2t: torch.Tensor, width: int, blocks: torch.Tensor) -> TritonNSAMetadata:
-        return TritonNSAMetadata(r2t, width, blocks, 1, [], split=True)
+    def decode_split_keys(self, batch: int) -> int:
+        return decode_split_keys(batch, self.num_heads, self.max_keys, self.batch_invariant)
+
+    def _decode_metadata(self, r2t: torch.Tensor, width: int, blocks: torch.Tensor) -> TritonNSAMetadata:
+        return TritonNSAMetadata(r2t, width, blocks, 1, [], split=True, split_keys=self.decode_split_keys(len(blocks)))
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -173,7 +174,7 @@ class TritonNSABackend(AttentionBackend):
     # -- CUDA graphs (decode) -----------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
         dev = self.req_to_token_pool.req_to_token.device
-        n = max_bs * self.num_heads * self.num_splits
+        n = max(partial_rows(bs, self.num_heads, self.max_keys, self.batch_invariant) for bs in range(1, max_bs + 1))
         self._graph_partial = (torch.empty(n * self.kv_lora_rank, dtype=torch.float32, device=dev),
                                torch.empty(n, dtype=torch.float32, device=dev))
         ar = torch.arange(max_bs, device=dev, dtype=torch.int32)
@@ -211,7 +212,7 @@ class TritonNSABackend(AttentionBackend):
             o_lat = mla_attention(
                 q_lat, q_rope, pool.get_key_buffer(layer.layer_id), layer.kv_lora_rank, md.req_to_token,
                 fb.req_pool_indices, fb.token_to_req, fb.positions, topk_indices, layer.scaling,
-                split_keys=self.split_keys if split else 0,
+                split_keys=md.split_keys if split else 0,
                 max_keys=(topk_indices.shape[1] if topk_indices is not None else md.score_width) if split else 0,
                 partial=md.partial, **(MLA_DECODE if split else MLA_EXTEND))
             out = layer.project_out(o_lat)

@@ -67,11 +67,15 @@ def _mla_fwd_kernel(
     C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_KEYS: tl.constexpr,
     SPARSE: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr,
-    FP8: tl.constexpr = False, SBLK: tl.constexpr = 128, NSCALE: tl.constexpr = 1,
+    FP8: tl.constexpr = False, SBLK: tl.constexpr = 128, NSCALE: tl.constexpr = 1, NUM_HB: tl.constexpr = 1,
 ):
-    t = tl.program_id(0).to(tl.int64)  # offsets pass 2^31 at long contexts
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
+    # Head blocks vary fastest: the programs of one token run side by side and read its gathered
+    # keys from L2 once, not once per head block. Tokens x head blocks share axis 0 (2^31 programs;
+    # axis 1 stops at 65535, short of a 128K prefill's tokens).
+    pid = tl.program_id(0)
+    t = (pid // NUM_HB).to(tl.int64)  # offsets pass 2^31 at long contexts
+    hb = pid % NUM_HB
+    split = tl.program_id(1)
     req = tl.load(TOKEN_TO_REQ + t)
     row = tl.load(REQ_POOL_IDX + req).to(tl.int64)
     pos = tl.load(POSITIONS + t)
@@ -209,7 +213,8 @@ def mla_attention(
     if split_keys and split_keys % block_n:
         raise ValueError(f"split_keys {split_keys} must be a multiple of block_n {block_n}")
     num_splits = triton.cdiv(max_keys, split_keys) if split_keys else 1
-    grid = (t, triton.cdiv(h, block_h), num_splits)
+    num_hb = triton.cdiv(h, block_h)
+    grid = (t * num_hb, num_splits)
     final = not split_keys
     if final:
         o_part, lse = out, out  # lse unused
@@ -231,7 +236,7 @@ def mla_attention(
         topk_arg.stride(0), *o_strides, *l_strides,
         C=c, R=r, BLOCK_C=next_pow2(c), BLOCK_R=max(16, next_pow2(r)), BLOCK_H=block_h, BLOCK_N=block_n,
         SPLIT_KEYS=split_keys, SPARSE=topk is not None, FINAL=final, PREC=dot_precision(q_lat.dtype),
-        FP8=fp8, SBLK=128 if nscale > 1 else max(c, 1), NSCALE=nscale,
+        FP8=fp8, SBLK=128 if nscale > 1 else max(c, 1), NSCALE=nscale, NUM_HB=num_hb,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not final:

@@ -93,6 +93,32 @@ def test_n_choices_and_seed(client, engine):
     b = client.completions.create(model="default", prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=7)
     c = client.completions.create(model="default", prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=8)
     assert a.choices[0].text == b.choices[0].text != c.choices[0].text
+    # a seeded n > 1 request: its choices differ from each other (as OpenAI's and vLLM's), choice 0 is
+    # the n = 1 request, and the whole set repeats
+    kw = dict(model="default", prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=7, n=3)
+    m1, m2 = client.completions.create(**kw), client.completions.create(**kw)
+    texts = [ch.text for ch in sorted(m1.choices, key=lambda ch: ch.index)]
+    assert len(set(texts)) == 3 and texts[0] == a.choices[0].text
+    assert texts == [ch.text for ch in sorted(m2.choices, key=lambda ch: ch.index)]
+    chat = dict(model="default", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=16,
+                temperature=1.0, seed=7, n=2)
+    assert len({ch.message.content for ch in client.chat.completions.create(**chat).choices}) == 2
+
+
+def test_native_generate_n_choices(server, engine):
+    url = server.base_url + "/generate"
+    one = requests.post(url, json={"text": PROMPTS[0], "sampling_params": {"n": 3, **GREEDY}}).json()
+    assert isinstance(one, list) and len(one) == 3  # a single prompt with n > 1 answers a list
+    assert {o["text"] for o in one} == {engine.generate(PROMPTS[0], GREEDY)["text"]}
+    two = requests.post(url, json={"text": PROMPTS[:2], "sampling_params": {"n": 2, **GREEDY}}).json()
+    expect = [e["text"] for e in engine.generate(PROMPTS[:2], GREEDY)]
+    assert [o["text"] for o in two] == [expect[0], expect[0], expect[1], expect[1]]  # prompt-major
+    seeded = {"n": 3, "temperature": 1.0, "max_new_tokens": 16, "seed": 5}
+    r = requests.post(url, json={"text": PROMPTS[1], "sampling_params": seeded}).json()
+    assert len({o["text"] for o in r}) == 3
+    assert [o["text"] for o in engine.generate(PROMPTS[1], seeded)] == [o["text"] for o in r]
+    bad = requests.post(url, json={"text": PROMPTS[0], "stream": True, "sampling_params": {"n": 2}})
+    assert bad.status_code == 400 and bad.json()["param"] == "stream"
 
 
 def test_stop_strings_trimmed(client, engine):

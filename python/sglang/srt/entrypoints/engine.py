@@ -125,12 +125,15 @@ class Engine:
         procs = custom_logit_processor if isinstance(custom_logit_processor, list) else [custom_logit_processor] * n
         if len(procs) != n:
             raise ValueError(f"{len(procs)} custom_logit_processor entries for {n} prompts")
-        pendings = [self._submit(prompts[i] if prompts else None, ids[i] if ids else None, params[i],
+        # sampling_params n > 1: n choices per prompt, prompt-major, answered as a list (as /generate)
+        params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(dict(p or {})) for p in params]
+        pendings = [self._submit(prompts[i] if prompts else None, ids[i] if ids else None, params[i].for_choice(j),
                                  return_logprob, logprob_start_len, top_logprobs_num, return_hidden_states, procs[i])
-                    for i in range(n)]
+                    for i in range(n) for j in range(params[i].n)]
+        single = single and len(pendings) == 1
         if stream:
-            if n != 1:
-                raise ValueError("stream=True takes a single prompt")
+            if len(pendings) != 1:
+                raise ValueError("stream=True takes a single prompt with n = 1")
             return self._stream(pendings[0])
         for _ in self._run(pendings):
             pass

@@ -176,9 +176,10 @@ def _register_generate_routes(app: FastAPI, tm: TokenizerManager) -> None:
         reqs, single = await asyncio.to_thread(_native_requests, body)  # O(len(input_ids)) checks
         with_text = bool(body.get("return_text_in_logprobs"))
         prepared = await asyncio.gather(*map(tm.prepare, reqs))
+        reqs, prepared, single = _expand_choices(reqs, prepared, single)
         if body.get("stream"):
             if not single:
-                return error_response("stream=true takes a single prompt", 400, param="stream")
+                return error_response("stream=true takes a single prompt with n = 1", 400, param="stream")
             tm.check_can_start(prepared[0][0])
             return StreamingResponse(_native_stream(tm, reqs[0], prepared[0], with_text),
                                      media_type="text/event-stream")
@@ -386,6 +387,20 @@ def _native_requests(body: dict) -> tuple[list[GenerateRequest], bool]:
                             bootstrap_port=bs_port, bootstrap_room=rm)
             for p, s, r, c, rm in zip(prompts, sps, rids, clps, rooms)]
     return reqs, single
+
+
+def _expand_choices(reqs: list[GenerateRequest], prepared: list, single: bool) -> tuple[list, list, bool]:
+    """sampling_params.n > 1: n choices of each prompt, prompt-major (upstream's parallel sampling
+    order); the answer is then a list, for a single prompt too. Seeded choices differ
+    (SamplingParams.for_choice)."""
+    if all(sp.n == 1 for _, _, sp in prepared):
+        return reqs, prepared, single
+    out_r, out_p = [], []
+    for r, (rid, ids, sp) in zip(reqs, prepared):
+        for j in range(sp.n):
+            out_r.append(r)
+            out_p.append((f"{rid}-{j}" if sp.n > 1 else rid, ids, sp.for_choice(j)))
+    return out_r, out_p, False
 
 
 async def _native_stream(tm: TokenizerManager, req: GenerateRequest, prepared, with_text: bool = False):

@@ -30,22 +30,12 @@ from typing import Any, Callable
 
 import torch
 
-from sglang.srt.sampling.sampling_params import SAMPLING_EPS, SamplingParams
+from sglang.srt.sampling.sampling_params import MASK64, SAMPLING_EPS, SamplingParams, splitmix64
 from sglang.srt.utils.common import upload
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
 
 def seeded_uniform(seed: int, step: int) -> float:
     """Uniform in [0, 1) from (seed, step). 24 bits, so it is exact in float32 and never 1.0."""
-    h = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+    h = splitmix64(splitmix64(seed & MASK64) ^ (step & MASK64))
     return (h >> 40) / float(1 << 24)
 
 

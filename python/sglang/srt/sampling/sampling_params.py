@@ -8,6 +8,7 @@ what the client sent.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -25,6 +26,22 @@ GRAMMAR_FIELD_NAMES = tuple(GRAMMAR_FIELDS)  # json_schema, regex, ebnf, structu
 # context (upstream: SamplingParams(max_new_tokens=None); the OpenAI routes send it when the client
 # sets no max_tokens).
 NULL_IS_A_VALUE = frozenset({"max_new_tokens"})
+
+
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a seeded n > 1 request (0: the seed itself). OpenAI's and vLLM's
+    n choices of one seeded request differ from each other and repeat across runs; so do ours."""
+    return seed if index == 0 else splitmix64((seed & MASK64) ^ splitmix64(index)) >> 1
 
 
 @dataclass
@@ -103,6 +120,15 @@ class SamplingParams:
         for name in self.field_names():
             v = getattr(self, name)
             out[name] = list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+        return out
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The parameters of choice `index` of an n > 1 request: the same, except that a seeded
+        request's choices draw from different streams (choice_seed); choice 0 is the n = 1 request."""
+        if index == 0 or self.sampling_seed is None:
+            return self
+        out = copy.copy(self)
+        out.sampling_seed = choice_seed(self.sampling_seed, index)
         return out
 
     # -- normalisation ------------------------------------------------------------------------

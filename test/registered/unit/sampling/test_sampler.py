@@ -11,7 +11,7 @@ import torch
 
 from sglang.srt.layers.sampler import Sampler, SamplerOutput, filter_mask
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.sampling.sampling_params import SamplingParams, choice_seed
 
 V = 50
 NEG_INF = float("-inf")
@@ -416,3 +416,17 @@ def test_normalize():
     r = SamplingParams()
     r.normalize(None)
     assert r.stop == [] and r.stop_str_max_len == 0
+
+
+def test_choice_seeds_of_an_n_request_differ_and_keep_choice_0():
+    seeds = [choice_seed(7, j) for j in range(64)]
+    assert seeds[0] == 7 and len(set(seeds)) == 64 and all(0 <= s < 2**63 for s in seeds)
+    assert seeds == [choice_seed(7, j) for j in range(64)]  # a function of (seed, index) only
+    assert choice_seed(8, 1) not in (seeds[1], 8, 7)  # neighbouring seeds do not share choices
+    sp = SamplingParams(temperature=1.0, sampling_seed=7, n=3, stop=["x"])
+    sp.normalize()
+    c1 = sp.for_choice(1)
+    assert sp.for_choice(0) is sp and c1.sampling_seed == seeds[1] and sp.sampling_seed == 7
+    assert c1.stop_str_max_len == sp.stop_str_max_len and c1.stop == sp.stop  # derived fields kept
+    unseeded = SamplingParams(temperature=1.0, n=2)
+    assert unseeded.for_choice(1) is unseeded  # unseeded choices already draw different numbers

@@ -81,7 +81,8 @@ class ChatHandler(OpenAIServingBase):
         if grammar_key(sp_obj) is not None and self.thinks(req):
             # Upstream's reasoner grammar: free until the think block ends, then the grammar.
             sp_obj.think_end_ids = self.think_end_ids
-        return [(base, (f"{rid}-{j}" if req.n > 1 else (req.rid or rid), ids, sp_obj), 0) for j in range(req.n)]
+        return [(base, (f"{rid}-{j}" if req.n > 1 else (req.rid or rid), ids, sp_obj.for_choice(j)), 0)
+                for j in range(req.n)]
 
     def thinks(self, req: ChatCompletionRequest) -> bool:
         """The model thinks before answering (whether or not the reasoning is separated)."""

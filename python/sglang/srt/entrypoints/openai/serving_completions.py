@@ -69,7 +69,7 @@ class CompletionHandler(OpenAIServingBase):
         for pi, (base, prepared) in enumerate(zip(bases, prepared_all)):
             for j in range(req.n):
                 rid = f"{prepared[0]}-{j}" if req.n > 1 else (req.rid or prepared[0])
-                out.append((base, (rid, prepared[1], prepared[2]), pi))
+                out.append((base, (rid, prepared[1], prepared[2].for_choice(j)), pi))
         return out
 
     # -- logprobs ---------------------------------------------------------------------------------

@@ -69,12 +69,10 @@ def _mla_fwd_kernel(
     SPARSE: tl.constexpr, FINAL: tl.constexpr, PREC: tl.constexpr,
     FP8: tl.constexpr = False, SBLK: tl.constexpr = 128, NSCALE: tl.constexpr = 1, NUM_HB: tl.constexpr = 1,
 ):
-    # Head blocks vary fastest: the programs of one token run side by side and read its gathered
-    # keys from L2 once, not once per head block. Tokens x head blocks share axis 0 (2^31 programs;
-    # axis 1 stops at 65535, short of a 128K prefill's tokens).
-    pid = tl.program_id(0)
-    t = (pid // NUM_HB).to(tl.int64)  # offsets pass 2^31 at long contexts
-    hb = pid % NUM_HB
+    # head block fastest: a token's programs run side by side and share its gathered keys in L2
+    # (tokens x head blocks on axis 0: 2^31 programs; axis 1 stops at 65535, short of 128K tokens)
+    t = (tl.program_id(0) // NUM_HB).to(tl.int64)  # offsets pass 2^31 at long contexts
+    hb = tl.program_id(0) % NUM_HB
     split = tl.program_id(1)
     req = tl.load(TOKEN_TO_REQ + t)
     row = tl.load(REQ_POOL_IDX + req).to(tl.int64)
@@ -213,8 +211,7 @@ def mla_attention(
     if split_keys and split_keys % block_n:
         raise ValueError(f"split_keys {split_keys} must be a multiple of block_n {block_n}")
     num_splits = triton.cdiv(max_keys, split_keys) if split_keys else 1
-    num_hb = triton.cdiv(h, block_h)
-    grid = (t * num_hb, num_splits)
+    grid = (t * (num_hb := triton.cdiv(h, block_h)), num_splits)
     final = not split_keys
     if final:
         o_part, lse = out, out  # lse unused

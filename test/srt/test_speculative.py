@@ -820,6 +820,62 @@ def test_cp2_speculative_returns_hidden_states_as_one_rank(builtin_path):
     assert got["_stats"]["kv_leak"] is None
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cp2_speculative_ranks_keep_the_same_drafts(builtin_path, page_size):
+    """Under prefill CP every rank must propose the same drafts: the ranks' schedulers accept from
+    them, and a request accepted on one rank only parts their batches (gloo: "Received data size
+    doesn't match expected size", the server dies). The draft's logits came from each rank's own
+    rows, garbage for requests whose last token another rank holds, which a batch of 16 short
+    prompts hit within 16 tokens. Now they are the narrow gather's, as the target's."""
+    from sglang.srt.testing.multi_rank import Case, run_case, run_multi_rank
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (16,), generator=g)]
+    sa = dict(model_path=builtin_path("tiny-deepseek-v32-mtp"), enable_nsa_prefill_context_parallel=True,
+              nsa_prefill_cp_mode="in-seq-split", page_size=page_size, speculative_algorithm="EAGLE",
+              speculative_num_steps=3)
+    got = run_multi_rank([Case("drafts", sa, prompts, 16)], 2)[0]
+    assert got["_draft"]["state_equal_across_ranks"]
+    one = {k: v for k, v in sa.items() if k not in ("enable_nsa_prefill_context_parallel", "nsa_prefill_cp_mode")}
+    ref = run_case(Case("drafts", one, prompts, 16), 1)  # one rank, same speculation
+    for rid in ref:
+        if not rid.startswith("_"):
+            assert got[rid]["ids"] == ref[rid]["ids"], rid
+    assert got["_draft"]["accept_length"] == ref["_draft"]["accept_length"]  # the same drafts accepted
+    assert got["_stats"]["kv_leak"] is None
+
+
+def test_cp2_speculative_with_prompt_logprobs_equals_one_rank(builtin_path):
+    """Input logprobs (an OpenAI `echo` + `logprobs` request) under prefill CP with speculation: the
+    target gathers every row for the prompt's logprobs while the draft extends from the rank's own
+    rows (it crashed the scheduler: "CP draft extend: 6 local hidden rows for a layout of 3").
+    Tokens and logprobs equal one rank without CP or speculation."""
+    from sglang.srt.testing.multi_rank import Case, run_case, run_multi_rank
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (6, 33)]
+    sa = dict(model_path=builtin_path("tiny-deepseek-v32-mtp"), enable_nsa_prefill_context_parallel=True,
+              nsa_prefill_cp_mode="in-seq-split", page_size=1, chunked_prefill_size=-1, dtype="float32",
+              speculative_algorithm="EAGLE", speculative_num_steps=3)
+    case = Case("echo", sa, prompts, 6, followups=[prompts[1] + [5]], return_logprob=True, logprob_start_len=0)
+    got = run_multi_rank([case], 2)[0]
+    one = {k: v for k, v in sa.items() if k not in ("enable_nsa_prefill_context_parallel", "nsa_prefill_cp_mode",
+                                                    "speculative_algorithm", "speculative_num_steps")}
+    ref = run_case(Case("echo", one, prompts, 6, followups=case.followups, return_logprob=True,
+                        logprob_start_len=0), 1)
+    for rid in ref:
+        if rid.startswith("_"):
+            continue
+        assert got[rid]["ids"] == ref[rid]["ids"], rid
+        ours, theirs = got[rid]["input_logprobs"], ref[rid]["input_logprobs"]
+        assert ours is not None and len(ours) == len(theirs), rid
+        torch.testing.assert_close(torch.tensor([x for x in ours if x is not None]),
+                                   torch.tensor([x for x in theirs if x is not None]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(got[rid]["logprobs"]), torch.tensor(ref[rid]["logprobs"]),
+                                   atol=1e-4, rtol=1e-4)
+    assert got["_stats"]["kv_leak"] is None
+
+
 def _chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
     """Pearson's statistic of observed counts against exact probabilities (cells expecting fewer
     than 5 pooled into one); returns (statistic, degrees of freedom)."""

@@ -37,12 +37,11 @@ class LogitsProcessorOutput:
 
 
 class LogitsProcessor(nn.Module):
-    def __init__(self, vocab_size: int, gather_cp_rows: bool = True) -> None:
-        """`gather_cp_rows`: under CP, the logits of the scheduler's batch (False: of this rank's
-        rows as laid out -- the NextN draft, whose extend follows the target's split)."""
+    def __init__(self, vocab_size: int) -> None:
+        """Under CP the logits are the scheduler's batch's on every rank (CPMetadata.logits_output),
+        the NextN draft's too: each rank keeps the same next draft per request."""
         super().__init__()
         self.vocab_size = vocab_size
-        self.gather_cp_rows = gather_cp_rows
 
     @staticmethod
     def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
@@ -55,7 +54,7 @@ class LogitsProcessor(nn.Module):
         """The model's output: logits (+ hidden states per capture mode; with full capture, the
         `topk_indices` the last layer passes on to the NextN draft layer)."""
         cp = forward_batch.cp.metadata
-        if cp is not None and self.gather_cp_rows:
+        if cp is not None:
             return cp.logits_output(self, hidden_states, topk_indices, lm_head, forward_batch)
         out = self.project(hidden_states, lm_head, forward_batch)
         if forward_batch.capture_hidden_mode in (CaptureHiddenMode.FULL, CaptureHiddenMode.FULL_LOCAL):

@@ -80,7 +80,7 @@ class _NextNMixin:
         self.model = DeepseekModelNextN(config, self.target_arch, max_position, tp_group, dtype, ep_group,
                                         moe_dispatch)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group, dtype=dtype)
-        self.logits_processor = LogitsProcessor(config.vocab_size, gather_cp_rows=False)  # rows as laid out
+        self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -97,9 +97,19 @@ def run_case(case: Case, world_size: int, rank: int = 0, group=None) -> dict:
     draft = sched.tp_worker.kv_pools().get("draft")
     if draft is not None:
         out["_draft"] = {"pool_slots": draft.size, "debug": debug_records[n_debug_before:],
-                         "accept_length": sched.tp_worker.avg_accept_length}
+                         "accept_length": sched.tp_worker.avg_accept_length,
+                         "state_equal_across_ranks": _draft_state_equal(sched.tp_worker, group)}
     out["_stats"] = _stats(sched, step_s, layer_ends)
     return out
+
+
+def _draft_state_equal(worker, group) -> bool:
+    """Every rank keeps the same next draft and draft hidden state per request slot (their
+    schedulers accept the same drafts, else the ranks' batches and collectives part)."""
+    if group is None or group.is_single:
+        return True
+    state = (worker.next_draft.float(), worker.draft_hidden.float().flatten())
+    return all(bool((group.all_gather(x[None], dim=0) == x[None]).all()) for x in state)
 
 
 def _scheduler(case: Case, world_size: int, group):

@@ -91,7 +91,9 @@ class CPMetadata:
                 out.hidden_states = hidden  # this rank's rows, in its CP layout
         else:
             out = processor.project(cp_all_gather_hidden(hidden, self), lm_head, self.global_batch)
-            if topk_indices is not None and mode == CaptureHiddenMode.FULL:
+            if mode == CaptureHiddenMode.FULL_LOCAL:  # gathered for input logprobs; the draft wants its rows
+                out.hidden_states = hidden
+            elif topk_indices is not None and mode == CaptureHiddenMode.FULL:
                 topk_indices = cp_all_gather_hidden(topk_indices, self)  # in the order of the hidden states
         if mode in (CaptureHiddenMode.FULL, CaptureHiddenMode.FULL_LOCAL):
             out.topk_indices = topk_indices

@@ -42,17 +42,11 @@ def _bench(fn, device: str, graph: bool = False) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-# Decode candidates: the serving tile (sgl_kernel.mla_split.MLA_DECODE) at the default rule's split
-# for the batch ("serving") and at the fixed split of deterministic inference ("deterministic"), then
-# other tiles. Each is timed at the split of split_keys_for (fixed by index_topk: batch-invariant), the
-# serving tile also over SPLIT_SWEEP (other fixed splits, the batch 1 / batch 64 trade-off: more
-# splits fill the GPU at batch 1 and cost partial-output traffic at batch 64).
-DECODE_TILES = {"serving": None, "v1": dict(block_h=32, block_n=64, num_warps=4),
-                "h64n32": dict(block_h=64, block_n=32, num_warps=8),
-                "h64n64s3": dict(block_h=64, block_n=64, num_warps=8, num_stages=3),
-                "h32n64s3": dict(block_h=32, block_n=64, num_warps=4, num_stages=3),
-                "h32n64w8s3": dict(block_h=32, block_n=64, num_warps=8, num_stages=3)}
-SPLIT_SWEEP = (64, 128, 512, 2048)
+# Decode candidates: the serving tile and split of the default rule for the batch
+# (sgl_kernel.mla_split.decode_tile / decode_split_keys: "serving"), of deterministic inference (one
+# tile, the fixed split: "deterministic"), then both tiles over fixed splits (the batch 1 / batch 64
+# trade-off: more splits fill the GPU at batch 1 and cost partial-output traffic at batch 64).
+SPLIT_SWEEP = {"narrow": (64, 128, 256, 512, 2048), "wide": (64, 128, 256, 512, 1024, 2048)}
 
 
 def ceilings(device: str, smoke: bool) -> dict:
@@ -82,7 +76,7 @@ def _paged_requests(bs: int, ctx: int, device: str, g: torch.Generator):
 
 
 def bench_mla(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
-    from sgl_kernel.mla_split import decode_split_keys
+    from sgl_kernel.mla_split import MLA_DECODE_WIDE, decode_split_keys, decode_tile
     from sgl_kernel.sparse_mla import mla_attention, mla_attention_ref, split_keys_for
     from sglang.srt.layers.attention.nsa.triton_backend import MLA_DECODE, MLA_EXTEND
 
@@ -107,23 +101,18 @@ def bench_mla(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
         q_lat = torch.randn(t, h, c, generator=g).to(device, torch.bfloat16)
         q_rope = torch.randn(t, h, R, generator=g).to(device, torch.bfloat16)
         args = (q_lat, q_rope, kv, c, r2t, pidx, tok_req, pos, topk, c**-0.5)
-        # (the first is the serving config, triton_backend.MLA_DECODE / MLA_EXTEND; others: candidates)
+        # (the first is the serving config, mla_split.decode_tile / triton_backend.MLA_EXTEND; others: candidates)
         if kind == "decode":
-            variants = {}
-            for name, tile in DECODE_TILES.items():
-                tile = dict(MLA_DECODE) if tile is None else tile
-                if smoke:
-                    tile = dict(tile, block_h=16, block_n=16)
-                sk = split_keys_for(k_top, tile["block_n"])
-                if name == "serving":  # the default rule (by batch size); deterministic: the fixed split
-                    variants["serving"] = dict(tile, max_keys=k_top, split_keys=decode_split_keys(
-                        n, h, k_top, False, block_h=tile["block_h"], block_n=tile["block_n"]))
-                    name = "deterministic"
-                variants[name] = dict(tile, split_keys=sk, max_keys=k_top)
-                if name in ("deterministic", "h64n64s3"):  # other fixed splits of the tile
-                    tag = "serving" if name == "deterministic" else name
-                    for sk2 in ((16, 64) if smoke else SPLIT_SWEEP if tag == "serving" else (512, 1024, 2048)):
-                        variants[f"{tag} split{sk2}"] = dict(tile, split_keys=sk2, max_keys=k_top)
+            def fit(tile: dict) -> dict:
+                return dict(tile, block_h=16, block_n=16) if smoke else dict(tile)
+
+            tiles = {"narrow": fit(MLA_DECODE), "wide": fit(MLA_DECODE_WIDE)}
+            serve, det = fit(decode_tile(n, False)), fit(decode_tile(n, True))
+            variants = {"serving": dict(serve, max_keys=k_top, split_keys=decode_split_keys(n, h, k_top, False, serve)),
+                        "deterministic": dict(det, max_keys=k_top, split_keys=split_keys_for(k_top, det["block_n"]))}
+            for name, tile in tiles.items():
+                for sk2 in ((16, 64) if smoke else SPLIT_SWEEP[name]):
+                    variants[f"{name} split{sk2}"] = dict(tile, split_keys=sk2, max_keys=k_top)
         else:
             variants = {"serving": dict(MLA_EXTEND), "stages2": dict(MLA_EXTEND, num_stages=2),
                         "stages4": dict(MLA_EXTEND, num_stages=4), "h64n32s3": dict(MLA_EXTEND, block_n=32),

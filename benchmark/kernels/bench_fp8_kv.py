@@ -50,8 +50,9 @@ def capacity(budget_gib: float = 80.0) -> dict:
 
 
 def bench_mla(device: str, smoke: bool, repeats: int, g: torch.Generator) -> list[dict]:
-    from sgl_kernel.sparse_mla import mla_attention, mla_attention_ref, split_keys_for
-    from sglang.srt.layers.attention.nsa.triton_backend import MLA_DECODE, MLA_EXTEND
+    from sgl_kernel.mla_split import decode_split_keys, decode_tile
+    from sgl_kernel.sparse_mla import mla_attention, mla_attention_ref
+    from sglang.srt.layers.attention.nsa.triton_backend import MLA_EXTEND
     from sglang.srt.mem_cache import kv_fp8_format as fmt
 
     h, c, r, k_top, ctx0 = (16, 128, 16, 64, 256) if smoke else (H, C, R, K_TOP, 32768)
@@ -77,7 +78,8 @@ def bench_mla(device: str, smoke: bool, repeats: int, g: torch.Generator) -> lis
         q_lat = torch.randn(t, h, c, generator=g).to(device, torch.bfloat16)
         q_rope = torch.randn(t, h, r, generator=g).to(device, torch.bfloat16)
         if kind == "decode":
-            kw = dict(MLA_DECODE, split_keys=split_keys_for(k_top, MLA_DECODE["block_n"]), max_keys=k_top)
+            tile = decode_tile(n, False)  # the serving default's tile and split for the batch
+            kw = dict(tile, split_keys=decode_split_keys(n, h, k_top, False, tile), max_keys=k_top)
         else:
             kw = dict(MLA_EXTEND)
         row = {"kind": kind, "n": n, "heads": h, "latent": c, "topk": k_top}

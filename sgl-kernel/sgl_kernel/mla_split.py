@@ -7,24 +7,35 @@ Two rules, one per promise:
 - batch-invariant (`--enable-deterministic-inference`): a fixed chunking of a token's keys
   (`split_keys_for`, a function of the model only), so a request's reduction order is the same
   alone or in any batch;
-- otherwise by batch size, the way FlashMLA's scheduler metadata does (`decode_split_keys`): about
-  DECODE_TARGET_PROGRAMS programs per step. One request needs many splits to fill the GPU; 64 do
-  not, and each split costs a [heads, latent] fp32 partial written and read back. On the H100 at
-  V3.2's shapes (2048 keys, 128 heads, 32-head tiles) the fastest fixed split per batch was
-  64 keys at batch 1 (0.018 ms vs 0.029 at the fixed 256), 512 at 16 (0.082 vs 0.105) and no split at
-  64 (0.251 vs 0.403 ms): 128-256 programs each time. The default mode is not batch-invariant anyway
-  (cuBLAS picks its GEMM kernels by the row count).
+- otherwise by batch size, the way FlashMLA's scheduler metadata does (`decode_split_keys`): a
+  program count per step for the batch's tile (`decode_tile`). One request needs many splits to
+  fill the GPU; 64 do not, and each split costs a [heads, latent] fp32 partial written and read
+  back. On the H100 at V3.2's shapes (2048 keys, 128 heads) the 32-head tile's fastest fixed split
+  was 64 keys at batch 1 (0.018 ms vs 0.029 at the fixed 256), 512 at 16 (0.082 vs 0.105) and none
+  at 64 (0.251 vs 0.403 ms): 128-256 programs each time. The default mode is not batch-invariant
+  anyway (cuBLAS picks its GEMM kernels by the row count).
 """
 
 from __future__ import annotations
 
 import math
 
-# 2 waves of the H100's / H200's 132 SMs: the program count the fastest split gave at batch 1, 16, 64
-DECODE_TARGET_PROGRAMS = 264
-# The decode tile (measured on the H200 and the H100, benchmark/kernels/bench_attention_kernels.py):
-# its head block and key block set the split arithmetic above, so they live beside it.
+# The decode tiles (H100, 2026-12-07 (f), benchmark/kernels/bench_attention_kernels.py) and the
+# programs a step aims at with each: 32 heads x 64 keys, 4 warps, 2 per SM (2 waves of the H100's /
+# H200's 132 SMs); 64 heads x 64 keys, 8 warps, 3 stages (a wgmma M of 64), 1 per SM. The wide tile
+# won from batch 16 up (0.066 vs 0.080 ms at 16, 0.197 vs 0.253 at 64 in a graph) and at the fixed
+# split (0.31 vs 0.41 ms at 64, equal at 1); the narrow one at batch 1, where only a 64-key split
+# fills the GPU (0.018 ms).
 MLA_DECODE = dict(block_h=32, block_n=64, num_warps=4)
+MLA_DECODE_WIDE = dict(block_h=64, block_n=64, num_warps=8, num_stages=3)
+DECODE_TARGET_PROGRAMS = 264  # narrow tile
+WIDE_TARGET_PROGRAMS = 132  # wide tile
+WIDE_MIN_BATCH = 8
+
+
+def decode_tile(batch: int, batch_invariant: bool) -> dict:
+    """The decode launch tile for `batch` tokens (one tile for every batch when batch-invariant)."""
+    return MLA_DECODE_WIDE if batch_invariant or batch >= WIDE_MIN_BATCH else MLA_DECODE
 
 
 def split_keys_for(max_keys: int, block_n: int = 32, max_splits: int = 32, min_keys: int = 256) -> int:
@@ -35,13 +46,16 @@ def split_keys_for(max_keys: int, block_n: int = 32, max_splits: int = 32, min_k
 
 
 def decode_split_keys(batch: int, num_heads: int, max_keys: int, batch_invariant: bool,
-                      block_h: int = MLA_DECODE["block_h"], block_n: int = MLA_DECODE["block_n"]) -> int:
-    """Key slots per split-K chunk of a decode step of `batch` tokens; 0 = one chunk (the kernel
-    writes the output directly, no partials, no combine)."""
+                      tile: dict | None = None) -> int:
+    """Key slots per split-K chunk of a decode step of `batch` tokens with `tile` (default:
+    decode_tile's); 0 = one chunk (the kernel writes the output directly, no partials, no combine)."""
+    tile = tile or decode_tile(batch, batch_invariant)
+    block_h, block_n = tile["block_h"], tile["block_n"]
     if batch_invariant:
         return split_keys_for(max_keys, block_n)
     head_blocks = math.ceil(num_heads / block_h)
-    want = max(1, DECODE_TARGET_PROGRAMS // max(1, batch * head_blocks))
+    target = WIDE_TARGET_PROGRAMS if block_h >= 64 else DECODE_TARGET_PROGRAMS  # 64-head tiles: 1 per SM
+    want = max(1, target // max(1, batch * head_blocks))
     splits = min(1 << (want.bit_length() - 1), max(1, math.ceil(max_keys / block_n)))
     if splits <= 1:
         return 0

@@ -368,7 +368,7 @@ def fast_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Te
     npass = triton.cdiv(32, rb)
     kblock = min(1024, next_pow2(k))
     stride = scores.stride(0)
-    if split == 1:
+    if split == 1:  # (the prefilter's scratch: topk_plan.scratch_bytes_per_row)
         cap = 2 * k if prefilter else 0
         cv = torch.empty((rows, cap), dtype=torch.float32, device=scores.device) if prefilter else scores
         cc = torch.empty((rows, cap), dtype=torch.int32, device=scores.device) if prefilter else out

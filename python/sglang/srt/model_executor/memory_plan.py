@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from sgl_kernel.mla_split import partial_rows
+from sgl_kernel.topk_plan import scratch_bytes_per_row
 
 from sglang.srt.layers.logits_processor import INPUT_LOGPROB_CHUNK_ROWS
 from sglang.srt.model_executor.cuda_graph_runner import get_batch_sizes_to_capture
@@ -133,9 +134,10 @@ def estimate_forward_bytes(s: ModelShape, tokens: int, kv_width: int, logit_rows
         q_idx = t * s.index_heads * s.index_dim
         scores = 0
         if kv_width > s.index_topk:  # shorter rows keep every causal key without scoring
-            scores = t * kv_width * 4
+            row = kv_width * 4 + (0 if decode else scratch_bytes_per_row(kv_width, s.index_topk))  # + top-k scratch
+            scores = t * row
             if not decode and score_budget is not None:
-                scores = min(scores, max(score_budget, 4 * kv_width))
+                scores = min(scores, max(score_budget, row))
         indexer = (q_idx * (4 * d + 1 + 2)  # wq_b, rope, cat, Hadamard; FP8 values + their bf16 copy
                    + t * s.hidden * 4 + 2 * t * s.index_heads * 4  # x.float(), head weights
                    + scores + topk_out)

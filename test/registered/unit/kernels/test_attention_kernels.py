@@ -195,8 +195,9 @@ def test_index_scores_match_reference(index_k_dtype, q_dtype, page_size, block_t
     causal = torch.arange(140)[None, :] <= pos[:, None]
     assert not got[causal].isnan().any() and got[~causal].isnan().all()  # exactly the causal entries
     err = (got[causal] - ref[causal]).abs().max().item()
-    # bf16 path: tf32 head sum on GPUs ("dot"); "sum" reduces fp32 products
-    tol = 1e-4 if q_dtype == torch.float32 or head_sum == "sum" else 2e-3
+    # bf16 queries: FP8 x FP8 tensor cores, whose accumulator on Hopper keeps fewer bits than fp32
+    # (the H100 gave 1.4e-4 of the max with the fp32 "sum"), and a tf32 head sum with "dot"
+    tol = 1e-4 if q_dtype == torch.float32 or (head_sum == "sum" and DEVICE != "cuda") else 2e-3
     assert err < tol * max(1.0, ref[causal].abs().max().item()), err
 
 

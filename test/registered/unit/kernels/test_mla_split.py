@@ -11,7 +11,11 @@ import torch
 from sgl_kernel.mla_split import (
     DECODE_TARGET_PROGRAMS,
     MLA_DECODE,
+    MLA_DECODE_WIDE,
+    WIDE_MIN_BATCH,
+    WIDE_TARGET_PROGRAMS,
     decode_split_keys,
+    decode_tile,
     num_splits,
     partial_rows,
     split_keys_for,
@@ -24,27 +28,34 @@ V32_HEADS, V32_TOPK = 128, 2048
 
 @pytest.mark.parametrize("max_keys", [64, 2048, 163840])
 def test_batch_invariant_rule_ignores_the_batch(max_keys):
-    fixed = split_keys_for(max_keys, MLA_DECODE["block_n"])
+    fixed = split_keys_for(max_keys, MLA_DECODE_WIDE["block_n"])
     assert {decode_split_keys(b, V32_HEADS, max_keys, True) for b in (1, 2, 7, 64, 256)} == {fixed}
+    assert all(decode_tile(b, True) == MLA_DECODE_WIDE for b in (1, 2, 7, 64, 256))  # one tile too
 
 
 def test_default_rule_at_v32_shapes_is_the_measured_best():
-    # H100, 2026-12-07 (d): the fastest fixed split at batch 1 / 16 / 64 was 64 / 512 / none
+    # H100, 2026-12-07 (f): the fastest (tile, split) at batch 1 / 16 / 64 was (32 heads, 64 keys),
+    # (64 heads, 512), (64 heads, none)
+    assert [decode_tile(b, False)["block_h"] for b in (1, 16, 64)] == [32, 64, 64]
     assert [decode_split_keys(b, V32_HEADS, V32_TOPK, False) for b in (1, 16, 64)] == [64, 512, 0]
+    assert split_keys_for(V32_TOPK, 64) == 256  # deterministic: the wide tile at 8 splits
 
 
 @pytest.mark.parametrize("heads,max_keys", [(128, 2048), (64, 2048), (16, 64), (128, 163840), (8, 100)])
 def test_default_rule_fills_about_the_target_and_never_splits_past_one_key_block(heads, max_keys):
-    head_blocks = -(-heads // MLA_DECODE["block_h"])
     for batch in range(1, 300):
+        tile = decode_tile(batch, False)
+        assert tile == (MLA_DECODE_WIDE if batch >= WIDE_MIN_BATCH else MLA_DECODE)
+        target = WIDE_TARGET_PROGRAMS if tile is MLA_DECODE_WIDE else DECODE_TARGET_PROGRAMS
+        head_blocks, bn = -(-heads // tile["block_h"]), tile["block_n"]
         sk = decode_split_keys(batch, heads, max_keys, False)
         s = num_splits(max_keys, sk)
-        assert sk == 0 or (sk % MLA_DECODE["block_n"] == 0 and s > 1)
-        assert s * MLA_DECODE["block_n"] < max_keys + MLA_DECODE["block_n"]  # every split holds keys
+        assert sk == 0 or (sk % bn == 0 and s > 1)
+        assert s * bn < max_keys + bn  # every split holds keys
         programs = batch * head_blocks * s
-        assert programs <= max(DECODE_TARGET_PROGRAMS, batch * head_blocks)
-        if s * MLA_DECODE["block_n"] < max_keys:  # not capped by the keys: doubling would overshoot
-            assert 2 * programs > DECODE_TARGET_PROGRAMS
+        assert programs <= max(target, batch * head_blocks)
+        if s * bn < max_keys:  # not capped by the keys: doubling would overshoot
+            assert 2 * programs > target
         assert partial_rows(batch, heads, max_keys, False) == (batch * heads * s if sk else 0)
 
 
@@ -54,7 +65,7 @@ def test_every_default_split_equals_the_twin():
     g = torch.Generator().manual_seed(0)
     h, c, r, k_top, ctx = 16, 64, 16, 192, 256
     for bs in (1, 3, 9):
-        sk = decode_split_keys(bs, h, k_top, False, block_h=16, block_n=16)
+        sk = decode_split_keys(bs, h, k_top, False, dict(block_h=16, block_n=16))
         slots = bs * ctx + 8
         r2t = torch.randperm(slots, generator=g)[: bs * ctx].view(bs, ctx).int()
         kv = torch.randn(slots, 1, c + r, generator=g)

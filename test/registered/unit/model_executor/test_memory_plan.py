@@ -169,3 +169,22 @@ def test_graph_pool_keeps_every_buckets_outputs(tmp_path):
     verify = cuda_graph_bytes(shape, V32_CTX, 16, (GraphNeeds(batch_scale=4, hidden_out=True),))
     assert verify > cuda_graph_bytes(shape, V32_CTX, 64)  # 64 rows + their hidden outputs
     assert cuda_graph_bytes(shape, V32_CTX, 0) == 0
+
+
+def test_prefill_scores_charge_the_topk_prefilter_scratch(tmp_path):
+    """Prefill score rows of >= 16K keys take the top-k prefilter (H100: 1.54x at 32K); its scratch
+    (2k fp32 + 2k int32 per row, topk_plan.scratch_bytes_per_row) is in the plan's indexer phase,
+    as the backend's chunking charges it. Narrower rows and decode allocate none."""
+    from sgl_kernel.topk_plan import PREFILTER_MIN_WIDTH, prefilter_for, scratch_bytes_per_row
+
+    assert not prefilter_for(PREFILTER_MIN_WIDTH - 1, 2048) and prefilter_for(PREFILTER_MIN_WIDTH, 2048)
+    assert not prefilter_for(PREFILTER_MIN_WIDTH, PREFILTER_MIN_WIDTH // 2)  # rows of <= 2k keys: plain path
+    assert scratch_bytes_per_row(32768, 2048) == 2 * 2048 * 8 and scratch_bytes_per_row(4096, 2048) == 0
+    shape = ModelShape.from_model_config(_v32_config(tmp_path, 2))
+    t, wide, narrow = 4096, PREFILTER_MIN_WIDTH, PREFILTER_MIN_WIDTH - 64
+
+    def indexer(width: int, **kw) -> int:
+        return estimate_forward_bytes(shape, t, width, 1, **kw).phases["attention: indexer"]
+
+    assert indexer(wide) - indexer(narrow) == t * 4 * (wide - narrow) + t * scratch_bytes_per_row(wide, 2048)
+    assert indexer(wide, decode=True) - indexer(narrow, decode=True) == t * 4 * (wide - narrow)

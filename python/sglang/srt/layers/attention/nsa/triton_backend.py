@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sgl_kernel.mla_split import MLA_DECODE, decode_split_keys, partial_rows
+from sgl_kernel.mla_split import MLA_DECODE, decode_split_keys, decode_tile, partial_rows  # noqa: F401
+from sgl_kernel.topk_plan import prefilter_for, scratch_bytes_per_row
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.nsa.nsa_indexer import causal_topk, fold_fp8_query
@@ -31,7 +32,7 @@ CPU_SCORE_BUDGET = 2**26
 CUDA_SCORE_BUDGET_MAX = 2**31
 INDEX_ROWS_PER_BLOCK = 128  # token block x index heads: the M of the scoring matmul
 # Tiles measured on the H200 and the H100 (benchmark/kernels/bench_attention_kernels.py), fixed per
-# mode (decode: sgl_kernel.mla_split.MLA_DECODE). Extend: 3 stages (the gathered K tiles prefetched
+# mode (decode: sgl_kernel.mla_split.decode_tile). Extend: 3 stages (the gathered K tiles prefetched
 # two blocks ahead): 32K prefill 79 vs 122 ms at 2 on the H100.
 MLA_EXTEND = dict(block_h=64, block_n=64, num_warps=8, num_stages=3)
 INDEX_BLOCK_N = 128
@@ -62,6 +63,7 @@ class TritonNSAMetadata:
     chunks: list[tuple[int, int, int, int]]
     split: bool = False  # decode: split-K attention
     split_keys: int = 0  # decode: key slots per split-K chunk (0: one chunk), mla_split.decode_split_keys
+    tile: dict | None = None  # decode: the launch tile (mla_split.decode_tile)
     partial: tuple[torch.Tensor, torch.Tensor] | None = None  # preallocated split-K buffers
     dense: DenseMHAMetadata | None = None  # extend: requests that run dense MHA
 
@@ -105,7 +107,8 @@ class TritonNSABackend(AttentionBackend):
         return decode_split_keys(batch, self.num_heads, self.max_keys, self.batch_invariant)
 
     def _decode_metadata(self, r2t: torch.Tensor, width: int, blocks: torch.Tensor) -> TritonNSAMetadata:
-        return TritonNSAMetadata(r2t, width, blocks, 1, [], split=True, split_keys=self.decode_split_keys(len(blocks)))
+        return TritonNSAMetadata(r2t, width, blocks, 1, [], split=True, split_keys=self.decode_split_keys(len(blocks)),
+                                 tile=decode_tile(len(blocks), self.batch_invariant))
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -123,7 +126,8 @@ class TritonNSABackend(AttentionBackend):
         fits the memory budget. Blocks whose rows are no longer than index_topk are left out: their
         top-k is every causal key, no score needed."""
         block_t = self._block_t()
-        chunk = max(block_t, self._score_budget() // (4 * width))
+        row_bytes = 4 * width + scratch_bytes_per_row(width, self.topk_width)  # scores + top-k scratch
+        chunk = max(block_t, self._score_budget() // row_bytes)
         blocks: list[tuple[int, int]] = []
         chunks: list[tuple[int, int, int, int]] = []
         t_total = fb.num_tokens
@@ -214,7 +218,7 @@ class TritonNSABackend(AttentionBackend):
                 fb.req_pool_indices, fb.token_to_req, fb.positions, topk_indices, layer.scaling,
                 split_keys=md.split_keys if split else 0,
                 max_keys=(topk_indices.shape[1] if topk_indices is not None else md.score_width) if split else 0,
-                partial=md.partial, **(MLA_DECODE if split else MLA_EXTEND))
+                partial=md.partial, **(md.tile if split else MLA_EXTEND))
             out = layer.project_out(o_lat)
         if dm is not None:  # the dense requests' rows, over every key (computed sparse above if mixed)
             self._dense_mha(q_nope, q_rope, layer, pool, fb, dm, out)
@@ -273,5 +277,5 @@ class TritonNSABackend(AttentionBackend):
         for ts, te, b0, b1 in md.chunks:
             scores = torch.empty(te - ts, md.score_width, dtype=torch.float32, device=qk.device)
             index_scores(qk, w, blocks=md.index_blocks[b0:b1], out=scores, block_t=md.block_t, out_row0=ts, **common)
-            fast_topk(scores, lengths[ts:te], k_top, out=out[ts:te])
+            fast_topk(scores, lengths[ts:te], k_top, out=out[ts:te], prefilter=prefilter_for(md.score_width, k_top))
         return out

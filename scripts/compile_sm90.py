@@ -62,7 +62,8 @@ def record_serving_launches() -> None:
     from sgl_kernel.indexer import index_scores, token_blocks
     from sgl_kernel.kv_store import store_index_k, store_mla_kv
     from sgl_kernel.moe import MoEConfig, fused_experts, get_moe_config, moe_align_block_size
-    from sgl_kernel.sparse_mla import mla_attention, split_keys_for
+    from sgl_kernel.mla_split import split_keys_for
+    from sgl_kernel.sparse_mla import mla_attention
     from sgl_kernel.topk import fast_topk
 
     bf = torch.bfloat16

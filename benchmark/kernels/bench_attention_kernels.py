@@ -76,9 +76,9 @@ def _paged_requests(bs: int, ctx: int, device: str, g: torch.Generator):
 
 
 def bench_mla(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
-    from sgl_kernel.mla_split import MLA_DECODE_WIDE, decode_split_keys, decode_tile
-    from sgl_kernel.sparse_mla import mla_attention, mla_attention_ref, split_keys_for
-    from sglang.srt.layers.attention.nsa.triton_backend import MLA_DECODE, MLA_EXTEND
+    from sgl_kernel.mla_split import MLA_DECODE, MLA_DECODE_WIDE, decode_split_keys, decode_tile, split_keys_for
+    from sgl_kernel.sparse_mla import mla_attention, mla_attention_ref
+    from sglang.srt.layers.attention.nsa.triton_backend import MLA_EXTEND
 
     h, c, k_top, ctx0 = (16, 64, 64, 256) if smoke else (H, C, K_TOP, 32768)
     rows = []

@@ -31,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel.mla_split import split_keys_for  # noqa: F401  (re-exported: the kernel's split rule)
 from sgl_kernel.utils import dot_precision, next_pow2, patch_interpreter
 
 patch_interpreter()

@@ -11,7 +11,8 @@ import torch
 
 from sgl_kernel.indexer import index_scores, token_blocks
 from sgl_kernel.kv_store import store_index_k, store_mla_kv
-from sgl_kernel.sparse_mla import mla_attention, mla_attention_ref, split_keys_for
+from sgl_kernel.mla_split import split_keys_for
+from sgl_kernel.sparse_mla import mla_attention, mla_attention_ref
 from sglang.srt.layers.attention.nsa.nsa_indexer import fold_fp8_query
 from sglang.srt.layers.attention.nsa.nsa_indexer import index_scores as index_scores_ref
 from sglang.srt.mem_cache.index_k_format import fp8_round_trip

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sgl_kernel.mla_split import MLA_DECODE, decode_split_keys, decode_tile, partial_rows  # noqa: F401
+from sgl_kernel.mla_split import decode_split_keys, decode_tile, partial_rows
 from sgl_kernel.topk_plan import prefilter_for, scratch_bytes_per_row
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -103,12 +103,10 @@ class TritonNSABackend(AttentionBackend):
         cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         return int(min(CUDA_SCORE_BUDGET_MAX, (free + cached) // 4))
 
-    def decode_split_keys(self, batch: int) -> int:
-        return decode_split_keys(batch, self.num_heads, self.max_keys, self.batch_invariant)
-
     def _decode_metadata(self, r2t: torch.Tensor, width: int, blocks: torch.Tensor) -> TritonNSAMetadata:
-        return TritonNSAMetadata(r2t, width, blocks, 1, [], split=True, split_keys=self.decode_split_keys(len(blocks)),
-                                 tile=decode_tile(len(blocks), self.batch_invariant))
+        tile = decode_tile(len(blocks), self.batch_invariant)
+        sk = decode_split_keys(len(blocks), self.num_heads, self.max_keys, self.batch_invariant, tile)
+        return TritonNSAMetadata(r2t, width, blocks, 1, [], split=True, split_keys=sk, tile=tile)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch

@@ -6,9 +6,12 @@ ceilings measured in the same run (issue 30, item 5).
     python benchmark/kernels/bench_fp8_gemm.py --smoke --out-dir /tmp/o  # CPU interpreter, tiny shapes
 
 Per shape and M: the kernel first checked against its torch twin (rel err), then timed (median of
-do_bench; M <= 64 also as a CUDA-graph replay, which also proves no host syncs), with the config the
+do_bench; M <= 64 also as a CUDA-graph replay, which also proves no host syncs, and per call in a
+graph of calls over weights rotating past the L2 -- `chain_ms`, the decode figure -- beside
+torch._scaled_mm and the bf16 matmul timed the same way), with the config the
 kernel picks (the device's tuned table, tune_fp8.py, else the heuristic); --sweep adds rows for the
-heuristic's and the deterministic (fixed) config. Configs that quantise the activations once are also
+heuristic's and the deterministic (fixed) config, and the heuristic's split-K with the separate
+reduction kernel. Configs that quantise the activations once are also
 timed on codes quantised beforehand (`gemm_only_*`: the GEMM without the quant launch, what a quant
 fused into the previous op would leave). Ceilings, same run:
 FP8 matmul rate = torch._scaled_mm at the same shape (per-tensor scales, bf16 out; M padded to 16),
@@ -21,6 +24,7 @@ batch invariant on the device. JSON + plot (the plot is skipped without matplotl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -59,7 +63,7 @@ from sgl_kernel.fp8_gemm import (  # noqa: E402
     Fp8GemmConfig, fixed_gemm_config, fp8_block_gemm, fp8_block_linear, fp8_block_linear_ref, get_gemm_config,
     heuristic_gemm_config)
 from sgl_kernel.fp8_quant import block_dequant, per_token_group_quant_fp8  # noqa: E402
-from timing import cuda_graph, median_ms  # noqa: E402
+from timing import chain_graph_ms, cuda_graph, median_ms, rotations  # noqa: E402
 
 BLOCK = (128, 128)
 FP8 = torch.float8_e4m3fn
@@ -91,6 +95,25 @@ def scaled_mm_ms(m: int, n: int, k: int, device: str) -> float | None:
                      device, ARGS.repeats)
 
 
+def chain_rows(m: int, n: int, k: int, x: torch.Tensor, cfg: Fp8GemmConfig | None, device: str, gen) -> dict:
+    """Decode M: ours, torch._scaled_mm and the bf16 matmul each timed per call in one CUDA graph of
+    calls over rotating weights (timing.chain_graph_ms): what a decode step pays per projection."""
+    if device != "cuda":
+        return {}
+    sets = [dummy_fp8_weight(n, k, device, gen) for _ in range(rotations(n * k))]
+    mp = max(16, -(-m // 16) * 16)
+    a = torch.randn(mp, k, device=device).to(FP8)
+    one = torch.ones((), device=device)
+    ours = chain_graph_ms([lambda w=w, s=s: fp8_block_linear(x, w, s, BLOCK, config=cfg) for w, s in sets],
+                          device, ARGS.repeats)
+    smm = chain_graph_ms([lambda w=w: torch._scaled_mm(a, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+                          for w, _ in sets], device, ARGS.repeats)
+    del sets
+    bf = [torch.randn(n, k, device=device, dtype=x.dtype) for _ in range(rotations(2 * n * k))]
+    bf16 = chain_graph_ms([lambda b=b: x @ b.t() for b in bf], device, ARGS.repeats)
+    return dict(chain_ms=ours, scaled_mm_chain_ms=smm, bf16_chain_ms=bf16)
+
+
 def graph_ms(fn, device: str) -> tuple[float | None, bool | None]:
     if device != "cuda":
         return None, None
@@ -112,7 +135,8 @@ def run(name: str, n: int, k: int, m: int, device: str, gen, copy: float, cfg: F
     row = dict(shape=name, n=n, k=k, m=m, config=list(vars(used).values()), rel_err=err, ms=ms)
     if m <= 64:
         row["graph_ms"], row["graph_equals_eager"] = graph_ms(fn, device)
-    t = row.get("graph_ms") or ms
+        row.update(chain_rows(m, n, k, x, cfg, device, gen))
+    t = row.get("chain_ms") or row.get("graph_ms") or ms
     wbytes = n * k + 4 * s.numel()
     row["weight_gbps"] = wbytes / t / 1e6
     row["copy_frac"] = row["weight_gbps"] / copy
@@ -133,6 +157,10 @@ def run(name: str, n: int, k: int, m: int, device: str, gen, copy: float, cfg: F
         if sm is not None:
             row["gemm_only_scaled_mm_frac"] = 2 * m * n * k / row["gemm_only_ms"] / 1e9 / row["scaled_mm_tflops"]
     row["speedup_vs_bf16"] = row["bf16_matmul_ms"] / t
+    if "chain_ms" in row:  # decode: the in-chain times side by side
+        row["speedup_vs_bf16"] = row["bf16_chain_ms"] / t
+        row["scaled_mm_chain_copy_frac"] = wbytes / row["scaled_mm_chain_ms"] / 1e6 / copy
+        row["scaled_mm_frac"] = row["scaled_mm_chain_ms"] / t  # same bytes: a time ratio (its M is padded to 16)
     return row
 
 
@@ -166,6 +194,16 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path)
 
 
+def sweep_configs(m: int, n: int, k: int) -> list[tuple[str, Fp8GemmConfig]]:
+    """--sweep: the heuristic's and the deterministic config, and at split-K the heuristic with the
+    separate reduction kernel (what the serial reduction saves)."""
+    heur = heuristic_gemm_config(m, n, k, BLOCK)
+    out = [("heuristic", heur), ("fixed", fixed_gemm_config(BLOCK))]
+    if heur.split_k > 1:
+        out.append(("two-kernel split-K", dataclasses.replace(heur, serial_reduce=False)))
+    return out
+
+
 def main() -> int:
     device = "cpu" if ARGS.smoke else "cuda"
     gen = torch.Generator(device=device).manual_seed(0)
@@ -176,7 +214,7 @@ def main() -> int:
     jobs = [(s, m, None, False) for s in shapes for m in ms]
     if ARGS.sweep:
         jobs += [(s, m, c, tag) for s in shapes for m in ms
-                 for tag, c in (("heuristic", heuristic_gemm_config(m, s[1], s[2], BLOCK)), ("fixed", fixed_gemm_config(BLOCK)))]
+                 for tag, c in sweep_configs(m, s[1], s[2])]
     for (name, n, k), m, cfg, sweep in tqdm(jobs, desc="fp8 gemm"):
         row = run(name, n, k, m, device, gen, copy, cfg)
         row["sweep"] = sweep
@@ -190,11 +228,11 @@ def main() -> int:
     plot(result, stem.with_suffix(".png"))
     print(f"device {result['device']}, copy {copy:.0f} GB/s, batch invariant (fixed config) "
           f"{result['batch_invariant_fixed_config']}")
-    print(f"{'shape':16} {'M':>5} {'config':34} {'rel err':>8} {'ms':>8} {'graph':>8} {'wGB/s':>7} {'%copy':>6} "
+    print(f"{'shape':16} {'M':>5} {'config':34} {'rel err':>8} {'ms':>8} {'graph':>8} {'chain':>8} {'wGB/s':>7} {'%copy':>6} "
           f"{'TFLOP/s':>8} {'%smm':>6} {'%smm-q':>6} {'x bf16':>6}")
     for r in rows:
         print(f"{r['shape']:16} {r['m']:5d} {str(r['config']):34} {r['rel_err']:8.1e} {r['ms']:8.4f} "
-              f"{r.get('graph_ms') or float('nan'):8.4f} {r['weight_gbps']:7.0f} {100 * r['copy_frac']:6.1f} "
+              f"{r.get('graph_ms') or float('nan'):8.4f} {r.get('chain_ms') or float('nan'):8.4f} {r['weight_gbps']:7.0f} {100 * r['copy_frac']:6.1f} "
               f"{r['tflops']:8.1f} {100 * (r.get('scaled_mm_frac') or float('nan')):6.1f} "
               f"{100 * (r.get('gemm_only_scaled_mm_frac') or float('nan')):6.1f} "
               f"{r['speedup_vs_bf16']:6.2f}{'  (' + r['sweep'] + ')' if r['sweep'] else ''}")

@@ -70,9 +70,9 @@ def compile_report(fn, types: dict, consts: dict, warps: int, stages: int, div16
 
 
 _GEMM_T = {"X": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "Y": "*bf16", "P": "*fp32", "BIAS": "*bf16",
-           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_xsm": "i32", "stride_wn": "i32",
+           "LOCKS": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_xsm": "i32", "stride_wn": "i32",
            "stride_wsn": "i32", "stride_ym": "i32", "stride_ps": "i32", "stride_pm": "i32", "SPLIT_K": "i32"}
-_GEMM_DIV = {"X", "XS", "W", "WS", "Y", "P", "BIAS", "M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_ps",
+_GEMM_DIV = {"X", "XS", "W", "WS", "Y", "P", "BIAS", "LOCKS", "M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_ps",
              "stride_pm"}
 
 
@@ -89,7 +89,7 @@ def gemm(cfg: fp8_gemm.Fp8GemmConfig) -> dict:
     mode = 2 if cfg.prequant else 1
     types = dict(_GEMM_T, X="*fp8e4nv" if mode == 2 else "*bf16")
     consts = dict(BN=bn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
-                  PARTIAL=cfg.split_k > 1, A_MODE=mode, EVEN_K=True, HAS_BIAS=False, EPS=1e-10, PRECISION="tf32")
+                  PARTIAL=cfg.split_k > 1, SERIAL=cfg.split_k > 1 and cfg.serial_reduce, A_MODE=mode, EVEN_K=True, HAS_BIAS=False, EPS=1e-10, PRECISION="tf32")
     stages = fp8_gemm.fit_stages(cfg.num_stages, (cfg.block_m * (1 if mode == 2 else 2) + cfg.block_n) * bk)
     return compile_report(fp8_gemm._w8_block_gemm_kernel, types, consts, cfg.num_warps, stages, _GEMM_DIV)
 

@@ -41,3 +41,29 @@ def cuda_graph(fn: Callable[[], object]):
     with torch.cuda.graph(g):
         g_out = fn()
     return g, out, g_out
+
+
+L2_BYTES = 50 << 20  # H100 SXM 50 MB, H200 the same: the working set a chain must exceed
+
+
+def rotations(bytes_per_set: int, at_least: int = 4, at_most: int = 64) -> int:
+    """How many input sets a chain rotates through so that the sets together are twice the L2: each
+    call then reads its operand from HBM, as a model's layers each read their own weights."""
+    return max(at_least, min(at_most, -(-2 * L2_BYTES // max(1, bytes_per_set))))
+
+
+def chain_graph_ms(calls: list[Callable[[], object]], device: str, repeats: int) -> float | None:
+    """Milliseconds per call of `calls` captured back to back in one CUDA graph (each on its own
+    inputs): a decode step's view of a microseconds-long kernel. A one-kernel graph's replay also pays
+    the graph launch (several us) and serves its operand from L2 after the first replay; METHOD.md:
+    capture many launches and rotate among input sets. None off CUDA."""
+    if device != "cuda":
+        return None
+    import torch
+
+    g, _, _ = cuda_graph(lambda: [c() for c in calls])
+    g.replay()
+    torch.cuda.synchronize()
+    ms = median_ms(g.replay, device, repeats)
+    del g
+    return ms / len(calls)

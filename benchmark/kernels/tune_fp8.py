@@ -7,8 +7,9 @@ Cases: the W8A8 GEMM at DeepSeek-V3.2's and GLM-5's projection shapes (per GPU a
 1, 16, 64, 256, 1024, 4096; the FP8 fused MoE (E 256, top 8, H 7168, I 2048; and EP-local E 32: ids
 over 256 experts, 32 of them here) x tokens in the same buckets. Per case a few candidates, the
 heuristic's config first (so an entry is never slower than no table); each is checked against the
-torch twin (computed once per case: rel err < 2e-2, no NaN) and timed -- CUDA-graph replays for
-decode-sized M (how decode runs), else eager; do_bench's median. The MoE is tuned in two steps
+torch twin (computed once per case: rel err < 2e-2, no NaN) and timed -- decode-sized GEMMs per call
+in one CUDA graph of calls over weights rotating past the L2 (how a decode step runs them), decode MoE
+as CUDA-graph replays, else eager; do_bench's median. The MoE is tuned in two steps
 (block_m x gate-up tile with the default down tile, then the down tile). The fastest per case goes to
 `fp8_{gemm,moe}_<device>.json` in --config-dir (default sgl-kernel/sgl_kernel/configs; --smoke: the
 out dir only) and a copy under --out-dir, with every timing in tune_fp8_<device>.json and a plot
@@ -85,7 +86,7 @@ from sgl_kernel import fp8_tables  # noqa: E402
 from sgl_kernel.fp8_gemm import Fp8GemmConfig, fp8_block_linear, fp8_block_linear_ref, gemm_shape_key, \
     heuristic_gemm_config  # noqa: E402
 from sgl_kernel.fp8_moe import Fp8MoEConfig, fused_experts_fp8, heuristic_fp8_moe_config, moe_shape_key  # noqa: E402
-from timing import cuda_graph, median_ms  # noqa: E402
+from timing import chain_graph_ms, cuda_graph, median_ms, rotations  # noqa: E402
 
 BLOCK = (128, 128)
 FP8 = torch.float8_e4m3fn
@@ -166,9 +167,17 @@ def tune_gemm(shapes: list, device: str, dt: torch.dtype, gen, report: list, tab
         w, s = weights[n, k]
         x = torch.randn(m, k, generator=gen, device=device).to(dt)
         ref = fp8_block_linear_ref(x, w, s, BLOCK)
+        if m <= 64 and device == "cuda":  # decode: per call in a graph over weights rotating past the L2
+            sets = [(w, s)] + [(fp8_codes((n, k), device, gen), s) for _ in range(rotations(n * k) - 1)]
+
+            def run(cfg, x=x, sets=sets):
+                calls = [lambda w=w, s=s: fp8_block_linear(x, w, s, BLOCK, config=cfg) for w, s in sets]
+                return chain_graph_ms(calls, device, ARGS.repeats)
+        else:
+            def run(cfg, x=x, w=w, s=s):
+                return time_fn(lambda: fp8_block_linear(x, w, s, BLOCK, config=cfg), device, False)
         rows = try_candidates(
-            gemm_candidates(m, n, k),
-            run=lambda cfg: time_fn(lambda: fp8_block_linear(x, w, s, BLOCK, config=cfg), device, m <= 64),
+            gemm_candidates(m, n, k), run=run,
             check=lambda cfg: rel_err(fp8_block_linear(x, w, s, BLOCK, config=cfg), ref))
         best = pick(rows)
         report.append(dict(kind="fp8_gemm", shape=name, n=n, k=k, m=m, candidates=rows, best=best))

@@ -17,8 +17,9 @@ give equal outputs bit for bit (tested):
 W8A16 (A_MODE 0) dequantises the weight tile to x's dtype in registers (the twin's operand exactly).
 
 Configs: the device's tuned table (fp8_tables, written by benchmark/kernels/tune_fp8.py), else
-`heuristic_gemm_config`. Split-K partials go to an fp32 buffer [S, M, N] that one reduction kernel sums
-in a fixed order (no atomics) with the bias. --enable-deterministic-inference uses `fixed_gemm_config`:
+`heuristic_gemm_config`. Split-K partials go to an fp32 buffer [S, M, N]; the last split of each tile
+to finish sums them in a fixed order (s ascending) with the bias, in the same launch (`serial_reduce`,
+a per-tile counter); without it a second reduction kernel does the same sum. --enable-deterministic-inference uses `fixed_gemm_config`:
 one tile shape, no split-K, prequant, for every M, so a row's arithmetic (K order, MMA shape) is the
 same at every M -- batch invariant. No host syncs, shapes fixed by (M, N, K): CUDA-graph capturable.
 """
@@ -55,6 +56,7 @@ class Fp8GemmConfig:
     num_stages: int = 3
     prequant: bool = True  # W8A8: quantise A once (True) or in the GEMM prologue (False); same bytes
     tma: bool = False  # prequant, no split-K: operand tiles by Hopper's tensor-memory copies (descriptors)
+    serial_reduce: bool = True  # split-K: the last split of a tile sums the partials (one launch, see below)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -121,14 +123,15 @@ def promotion(s, ws, SCALAR_WS: tl.constexpr):
 
 
 @triton.jit
-def _w8_block_gemm_kernel(X, XS, W, WS, Y, P, BIAS, M, N, K,
+def _w8_block_gemm_kernel(X, XS, W, WS, Y, P, BIAS, LOCKS, M, N, K,
                           stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ym, stride_ps, stride_pm,
                           SPLIT_K, BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PARTIAL: tl.constexpr, A_MODE: tl.constexpr,
-                          EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, EPS: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PARTIAL: tl.constexpr, SERIAL: tl.constexpr,
+                          A_MODE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, EPS: tl.constexpr,
                           PRECISION: tl.constexpr):
     """A_MODE 0: X model dtype, W8A16; 1: X model dtype, quantised per tile here; 2: X fp8 codes, XS scales.
-    SPLIT_K is a run-time value (one binary for every split); PARTIAL: store fp32 partials of split sk."""
+    SPLIT_K is a run-time value (one binary for every split); PARTIAL: store fp32 partials of split sk;
+    SERIAL (with PARTIAL): the tile's last split to finish sums them into Y (`_reduce_partials`)."""
     pid = tl.program_id(0)
     pid_m, pid_n = _tile_ids(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     sk = tl.program_id(1)
@@ -183,6 +186,32 @@ def _w8_block_gemm_kernel(X, XS, W, WS, Y, P, BIAS, M, N, K,
                  mask=out_mask)
     else:
         tl.store(P + sk * stride_ps + offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :], acc, mask=out_mask)
+        if SERIAL:
+            _reduce_partials(P, BIAS, Y, LOCKS + pid, offs_m, offs_n, safe_n, out_mask, stride_ps, stride_pm,
+                             stride_ym, SPLIT_K, BLOCK_M, BLOCK_N, HAS_BIAS)
+
+
+@triton.jit
+def _reduce_partials(P, BIAS, Y, lock, offs_m, offs_n, safe_n, out_mask, stride_ps, stride_pm, stride_ym, SPLIT_K,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Split-K without a second launch (cuBLAS's serial reduction): after its partial is stored, each
+    split counts itself in on the tile's lock; the last to arrive sums every split's partial, s
+    ascending -- the order `_splitk_reduce_kernel` uses, so the output is the same bit for bit whichever
+    split arrives last -- and zeroes the lock for the next launch. The barrier + acq_rel atomic is
+    CUTLASS's semaphore: the CTA's stores happen before the release; the partials are read through L2
+    (.cg), where the other SMs' stores landed."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        rows = offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
+        for s in range(0, SPLIT_K):
+            acc += tl.load(P + s * stride_ps + rows, mask=out_mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            acc += tl.load(BIAS + safe_n).to(tl.float32)[None, :]
+        tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=out_mask)
+        tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -227,6 +256,29 @@ def _splitk_reduce_kernel(P, BIAS, Y, MN, N, stride_ps, SPLIT_K, HAS_BIAS: tl.co
     tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
+LOCK_RING = 1 << 18  # int32 tile counters per device (1 MiB); a decode graph of 61 layers takes ~25K
+_LOCKS: dict[torch.device, list] = {}  # device -> [counters (zeros between launches), next free offset]
+
+
+def split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """`tiles` zeroed counters for one serial split-K launch, or None (the two-kernel reduction) when
+    the ring would have to be allocated inside a CUDA-graph capture or cannot hold them. Each launch
+    takes the next slice of a ring, so launches that could overlap (other streams) use other counters;
+    each tile's last split re-zeroes its counter, so a slice is clean again once its launch is done."""
+    state = _LOCKS.get(device)
+    if state is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        state = _LOCKS[device] = [torch.zeros(LOCK_RING, dtype=torch.int32, device=device), 0]
+    if tiles > LOCK_RING:
+        return None
+    buf, start = state
+    if start + tiles > LOCK_RING:
+        start = 0
+    state[1] = start + tiles
+    return buf[start:start + tiles]
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int]) -> None:
     bn, bk = block_size
     n, k = weight.shape
@@ -261,17 +313,19 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor,
         return y
     split = cfg.split_k
     part = torch.empty((split, m, n), dtype=torch.float32, device=a.device) if split > 1 else y
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    locks = split_locks(a.device, tiles) if split > 1 and cfg.serial_reduce else None
+    grid = (tiles, split)
     stage_bytes = (cfg.block_m * a.element_size() + cfg.block_n) * bk
     _w8_block_gemm_kernel[grid](
-        a, xs, weight, scale, y, part, bias if bias is not None else y, m, n, k,
-        a.stride(0), xs.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
+        a, xs, weight, scale, y, part, bias if bias is not None else y, locks if locks is not None else scale,
+        m, n, k, a.stride(0), xs.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
         part.stride(0) if split > 1 else 0, part.stride(1) if split > 1 else 0, split,
         BN=bn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, PARTIAL=split > 1,
-        A_MODE=a_mode, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, EPS=FP8_SCALE_EPS,
+        SERIAL=locks is not None, A_MODE=a_mode, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, EPS=FP8_SCALE_EPS,
         PRECISION=dot_precision(a.dtype if a_mode == 0 else torch.float32), num_warps=cfg.num_warps,
         num_stages=fit_stages(cfg.num_stages, stage_bytes))
-    if split > 1:
+    if split > 1 and locks is None:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             part, bias if bias is not None else y, y, m * n, n, part.stride(0), split,

@@ -102,6 +102,39 @@ def test_prequant_equals_prologue_bit_for_bit(m, n, k):
         fp8_block_gemm(x, torch.ones(m, 2, device=DEVICE), q, s, BLOCK, x.dtype)
 
 
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_serial_split_k_equals_the_reduction_kernel_bit_for_bit(split):
+    """Split-K reduced in the GEMM's own launch (the last split of a tile sums the partials) gives the
+    bits of the separate reduction kernel (same order, s ascending), with and without bias, W8A8 and
+    W8A16; launched again and again it stays equal (each tile's lock is re-zeroed: a lock left at a
+    count would make a later launch sum before its partials exist) and leaves the ring at zero."""
+    from sgl_kernel import fp8_gemm as mod
+
+    q, s = _fp8_weight(200, 1024, seed=11)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(5, 1024, generator=g).to(DEVICE)
+    bias = torch.randn(200, generator=g).to(DEVICE)
+    for fp8_act in (True, False):
+        for b in (None, bias):
+            two = fp8_block_linear(x, q, s, BLOCK, b, fp8_act,
+                                   config=Fp8GemmConfig(16, 64, split, 1, serial_reduce=False))
+            for _ in range(3):
+                one = fp8_block_linear(x, q, s, BLOCK, b, fp8_act, config=Fp8GemmConfig(16, 64, split, 1))
+                assert torch.equal(one, two), (split, fp8_act, b is None)
+    assert int(mod._LOCKS[torch.device(DEVICE) if DEVICE == "cpu" else x.device][0].abs().sum()) == 0
+
+
+def test_split_locks_ring_wraps_and_refuses_what_it_cannot_hold(monkeypatch):
+    from sgl_kernel import fp8_gemm as mod
+
+    monkeypatch.setattr(mod, "LOCK_RING", 10)
+    monkeypatch.setattr(mod, "_LOCKS", {})
+    dev = torch.device("cpu")
+    a, b, c = mod.split_locks(dev, 4), mod.split_locks(dev, 4), mod.split_locks(dev, 4)
+    assert a.data_ptr() != b.data_ptr() and c.data_ptr() == a.data_ptr()  # the third wraps to the start
+    assert mod.split_locks(dev, 11) is None  # more tiles than the ring: the two-kernel reduction
+
+
 def test_block_gemm_tile_wider_than_the_weight_block():
     """BLOCK_N 128 over 64-row weight blocks: two weight scales per tile (the outer-product promotion;
     narrower tiles take one scale per K step)."""

@@ -71,3 +71,10 @@ def partial_rows(batch: int, num_heads: int, max_keys: int, batch_invariant: boo
     """(token, head, split) rows of the fp32 partials a decode step of `batch` tokens writes."""
     sk = decode_split_keys(batch, num_heads, max_keys, batch_invariant)
     return batch * num_heads * num_splits(max_keys, sk) if sk else 0
+
+
+def graph_partial_rows(max_batch: int, num_heads: int, max_keys: int, batch_invariant: bool | None) -> int:
+    """Partial rows the decode CUDA graphs share (one buffer for batch sizes 1..max_batch: the largest
+    step's); batch_invariant None = either mode (the memory plan, which does not know it)."""
+    modes = (False, True) if batch_invariant is None else (batch_invariant,)
+    return max(partial_rows(b, num_heads, max_keys, inv) for b in range(1, max_batch + 1) for inv in modes)

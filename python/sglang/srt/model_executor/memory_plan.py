@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from sgl_kernel.mla_split import partial_rows
+from sgl_kernel.mla_split import graph_partial_rows, partial_rows
 from sgl_kernel.topk_plan import scratch_bytes_per_row
 
 from sglang.srt.layers.logits_processor import INPUT_LOGPROB_CHUNK_ROWS
@@ -210,7 +210,7 @@ def cuda_graph_bytes(s: ModelShape, context_len: int, max_bs: int, specs: tuple[
             s.index_topk * 4 if sp.topk_out else 0)
         total += sum(b * sp.tokens_per_req for b in get_batch_sizes_to_capture(top)) * per_row
         total += rows_max * (6 * 8 + s.hidden * s.dtype_bytes)  # static inputs
-    rows = max(_decode_partial_rows(b, s.heads, s.index_topk or context_len) for b in range(1, top + 1))
+    rows = graph_partial_rows(top, s.heads, s.index_topk or context_len, None)
     partials = rows * (s.kv_lora + 1) * 4
     return total + act + partials
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sgl_kernel.mla_split import decode_split_keys, decode_tile, partial_rows
+from sgl_kernel.mla_split import decode_split_keys, decode_tile, graph_partial_rows
 from sgl_kernel.topk_plan import prefilter_for, scratch_bytes_per_row
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -176,7 +176,7 @@ class TritonNSABackend(AttentionBackend):
     # -- CUDA graphs (decode) -----------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int) -> None:
         dev = self.req_to_token_pool.req_to_token.device
-        n = max(partial_rows(bs, self.num_heads, self.max_keys, self.batch_invariant) for bs in range(1, max_bs + 1))
+        n = graph_partial_rows(max_bs, self.num_heads, self.max_keys, self.batch_invariant)
         self._graph_partial = (torch.empty(n * self.kv_lora_rank, dtype=torch.float32, device=dev),
                                torch.empty(n, dtype=torch.float32, device=dev))
         ar = torch.arange(max_bs, device=dev, dtype=torch.int32)

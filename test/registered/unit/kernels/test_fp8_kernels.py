@@ -118,7 +118,7 @@ def test_serial_split_k_equals_the_reduction_kernel_bit_for_bit(split):
         for b in (None, bias):
             two = fp8_block_linear(x, q, s, BLOCK, b, fp8_act,
                                    config=Fp8GemmConfig(16, 64, split, 1, serial_reduce=False))
-            for _ in range(3):
+            for _ in range(20 if DEVICE == "cuda" else 2):  # a race would show as a changing output
                 one = fp8_block_linear(x, q, s, BLOCK, b, fp8_act, config=Fp8GemmConfig(16, 64, split, 1))
                 assert torch.equal(one, two), (split, fp8_act, b is None)
     assert int(mod._LOCKS[torch.device(DEVICE) if DEVICE == "cpu" else x.device][0].abs().sum()) == 0

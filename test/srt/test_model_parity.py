@@ -129,3 +129,23 @@ def test_query_chunked_prefill_matches_reference(model_case, monkeypatch):
     for mla_path in ("plain", "absorbed"):
         for prompt, ours in zip(prompts, _prefill_all_logits(_engine(path, 1, mla_attn_path=mla_path), prompts)):
             assert (ours - hf_prefill_logits(hf, prompt)).abs().max().item() < LOGIT_ATOL, (name, mla_path)
+
+
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32"])
+def test_tied_word_embeddings_match_reference(arch, tmp_path):
+    """`tie_word_embeddings`: the checkpoint has no lm_head.weight; the head is the embedding. The
+    target matches transformers, and the MTP draft (its head tied too) loads and drafts exactly:
+    EAGLE's greedy output equals plain decoding."""
+    from sglang.srt.model_loader.tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(tmp_path / arch), arch=arch, mtp_layer=True, tie_word_embeddings=True)
+    hf = load_hf_reference(path)
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    prompts = _prompts(seed=5)[:2]
+    plain = _engine(path, 1)
+    for prompt, ours in zip(prompts, _prefill_all_logits(plain, prompts)):
+        assert (ours - hf_prefill_logits(hf, prompt)).abs().max().item() < LOGIT_ATOL
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    ref = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    spec = _engine(path, 1, speculative_algorithm="EAGLE", speculative_num_steps=2)
+    assert [o["output_ids"] for o in spec.generate(input_ids=prompts, sampling_params=params)] == ref

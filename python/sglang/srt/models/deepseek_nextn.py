@@ -27,6 +27,7 @@ from sglang.srt.models.deepseek_v2 import (
     DeepseekV2ForCausalLM,
     DeepseekV32ForCausalLM,
     GlmMoeDsaForCausalLM,
+    tie_lm_head,
 )
 
 
@@ -80,6 +81,7 @@ class _NextNMixin:
         self.model = DeepseekModelNextN(config, self.target_arch, max_position, tp_group, dtype, ep_group,
                                         moe_dispatch)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group, dtype=dtype)
+        tie_lm_head(self)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @torch.no_grad()

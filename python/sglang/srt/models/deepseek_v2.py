@@ -315,6 +315,17 @@ def _load_named(name: str, tensor: torch.Tensor, load, *args) -> None:
         raise ValueError(f"checkpoint tensor {name!r} (shape {tuple(tensor.shape)}): {e}") from e
 
 
+def tie_lm_head(model: nn.Module) -> None:
+    """`tie_word_embeddings`: the output projection is the embedding (one parameter, both sharded
+    the same way over the vocab); a tied checkpoint has no lm_head.weight, or one equal to it."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _is_tied_head(model: nn.Module, name: str) -> bool:
+    return name == "lm_head.weight" and model.lm_head.weight is model.model.embed_tokens.weight
+
+
 class DeepseekV2ForCausalLM(nn.Module):
     indexer_rope_interleaved = False
 
@@ -330,6 +341,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         max_position = max_position or config.max_position_embeddings
         self.model = DeepseekV2Model(config, type(self), max_position, tp_group, dtype, ep_group, moe_dispatch)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group, dtype=dtype)
+        tie_lm_head(self)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.num_layers = config.num_hidden_layers
         # DeepSeek / GLM checkpoints carry the MTP layer even when configs omit the count.
@@ -361,7 +373,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         loaded: set[str] = set()  # parameter names, or "name#shard" for stacked / expert parts
         unexpected: set[str] = set()
         for name, tensor in weights:
-            if self._ignored_weight(name):
+            if self._ignored_weight(name) or _is_tied_head(self, name):
                 continue
             m = _EXPERT_RE.match(name)
             if m and f"{m.group(1)}.w13_weight" in params:

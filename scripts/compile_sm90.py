@@ -62,21 +62,25 @@ def record_serving_launches() -> None:
     from sgl_kernel.indexer import index_scores, token_blocks
     from sgl_kernel.kv_store import store_index_k, store_mla_kv
     from sgl_kernel.moe import MoEConfig, fused_experts, get_moe_config, moe_align_block_size
-    from sgl_kernel.mla_split import split_keys_for
+    from sgl_kernel.mla_split import MLA_EXTEND, decode_split_keys, decode_tile
     from sgl_kernel.sparse_mla import mla_attention
     from sgl_kernel.topk import fast_topk
 
     bf = torch.bfloat16
     h, c, r, k_top, ctx = 128, 512, 64, 2048, 4096
     kv = torch.zeros(ctx + 64, 1, c + r, dtype=bf)
+    kv_fp8 = torch.zeros(ctx + 64, c + 4 * (c // 128) + 2 * r, dtype=torch.uint8)  # DeepSeek's 656-byte rows
     r2t = torch.zeros(2, ctx, dtype=torch.int32)
-    for t in (1, 4):  # decode (split-K), extend
+    # the serving launches: decode at the backend's tile + split per batch (narrow, wide, deterministic), extend
+    for t, inv in ((1, False), (16, False), (64, False), (1, True), (4, None)):
         q_lat, q_rope = torch.zeros(t, h, c, dtype=bf), torch.zeros(t, h, r, dtype=bf)
         ints = [torch.zeros(t, dtype=torch.long)] * 2
         topk = torch.zeros(t, k_top, dtype=torch.int32)
-        for sparse in (topk, None):
-            mla_attention(q_lat, q_rope, kv, c, r2t, ints[0], ints[0], ints[1], sparse, 0.1,
-                          split_keys=split_keys_for(k_top) if t == 1 else 0, max_keys=k_top)
+        split = 0 if inv is None else decode_split_keys(t, h, k_top, inv)
+        tile = MLA_EXTEND if inv is None or not split else decode_tile(t, inv)
+        for sparse, cache in ((topk, kv), (None, kv), (topk, kv_fp8)):
+            mla_attention(q_lat, q_rope, cache, c, r2t, ints[0], ints[0], ints[1], sparse, 0.1,
+                          split_keys=split, max_keys=k_top, **tile)
     store_mla_kv(kv, torch.zeros(3, dtype=torch.long), torch.zeros(3, c, dtype=bf), torch.zeros(3, r, dtype=bf))
     for data_dtype, row in ((torch.float8_e4m3fn, 64 * 132), (bf, 64 * 256)):
         buf = torch.zeros(8, row, dtype=torch.uint8)

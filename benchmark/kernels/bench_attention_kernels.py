@@ -78,7 +78,7 @@ def _paged_requests(bs: int, ctx: int, device: str, g: torch.Generator):
 def bench_mla(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
     from sgl_kernel.mla_split import MLA_DECODE, MLA_DECODE_WIDE, decode_split_keys, decode_tile, split_keys_for
     from sgl_kernel.sparse_mla import mla_attention, mla_attention_ref
-    from sglang.srt.layers.attention.nsa.triton_backend import MLA_EXTEND
+    from sgl_kernel.mla_split import MLA_EXTEND
 
     h, c, k_top, ctx0 = (16, 64, 64, 256) if smoke else (H, C, K_TOP, 32768)
     rows = []
@@ -101,7 +101,7 @@ def bench_mla(device: str, smoke: bool, g: torch.Generator) -> list[dict]:
         q_lat = torch.randn(t, h, c, generator=g).to(device, torch.bfloat16)
         q_rope = torch.randn(t, h, R, generator=g).to(device, torch.bfloat16)
         args = (q_lat, q_rope, kv, c, r2t, pidx, tok_req, pos, topk, c**-0.5)
-        # (the first is the serving config, mla_split.decode_tile / triton_backend.MLA_EXTEND; others: candidates)
+        # (the first is the serving config, mla_split.decode_tile / MLA_EXTEND; others: candidates)
         if kind == "decode":
             def fit(tile: dict) -> dict:
                 return dict(tile, block_h=16, block_n=16) if smoke else dict(tile)

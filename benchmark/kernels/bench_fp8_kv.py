@@ -52,7 +52,7 @@ def capacity(budget_gib: float = 80.0) -> dict:
 def bench_mla(device: str, smoke: bool, repeats: int, g: torch.Generator) -> list[dict]:
     from sgl_kernel.mla_split import decode_split_keys, decode_tile
     from sgl_kernel.sparse_mla import mla_attention, mla_attention_ref
-    from sglang.srt.layers.attention.nsa.triton_backend import MLA_EXTEND
+    from sgl_kernel.mla_split import MLA_EXTEND
     from sglang.srt.mem_cache import kv_fp8_format as fmt
 
     h, c, r, k_top, ctx0 = (16, 128, 16, 64, 256) if smoke else (H, C, R, K_TOP, 32768)

@@ -40,14 +40,23 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _load_kv_rows(KV, KV_F32, KV_BF16, Q_LAT, Q_ROPE, slot, valid, offs_c, offs_r, cmask, rmask, stride_kv,
-                  C: tl.constexpr, FP8: tl.constexpr, SBLK: tl.constexpr, NSCALE: tl.constexpr):
+                  C: tl.constexpr, FP8: tl.constexpr, SBLK: tl.constexpr, NSCALE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """The latent and rope parts of the KV rows at `slot` (masked by `valid`), in the queries' dtypes."""
     kmask = valid[:, None] & cmask[None, :]
     if FP8:  # row = [C e4m3 | NSCALE fp32 | R bf16]; stride_kv in bytes (a multiple of 4)
         row0 = slot[:, None] * stride_kv
         raw = tl.load(KV + row0 + offs_c[None, :], mask=kmask, other=0)
-        sc = tl.load(KV_F32 + (row0 + C) // 4 + offs_c[None, :] // SBLK, mask=kmask, other=0.0)
-        k_lat = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(Q_LAT.dtype.element_ty)
+        kf = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if NSCALE * SBLK == BLOCK_C:  # the row's NSCALE scales loaded once, broadcast over their blocks:
+            # a [BLOCK_N, C] gather of repeated scales would be a 4-byte-per-element smem stage each
+            # pipelined step (279 KB at 3 stages, over Hopper's 227 KB)
+            offs_s = tl.arange(0, NSCALE)
+            sc = tl.load(KV_F32 + (row0 + C) // 4 + offs_s[None, :], mask=valid[:, None], other=0.0)
+            kf = tl.reshape(tl.reshape(kf, (BLOCK_N, NSCALE, SBLK)) * sc[:, :, None], (BLOCK_N, BLOCK_C))
+        else:  # C not a whole number of power-of-two scale blocks
+            kf = kf * tl.load(KV_F32 + (row0 + C) // 4 + offs_c[None, :] // SBLK, mask=kmask, other=0.0)
+        k_lat = kf.to(Q_LAT.dtype.element_ty)
         k_rope = tl.load(KV_BF16 + (row0 + C + 4 * NSCALE) // 2 + offs_r[None, :],
                          mask=valid[:, None] & rmask[None, :], other=0.0).to(Q_ROPE.dtype.element_ty)
     else:
@@ -115,7 +124,7 @@ def _mla_fwd_kernel(
             key_pos = offs_n
         slot = tl.load(REQ_TO_TOKEN + row * stride_r2t + key_pos, mask=valid, other=0).to(tl.int64)
         k_lat, k_rope = _load_kv_rows(KV, KV_F32, KV_BF16, Q_LAT, Q_ROPE, slot, valid, offs_c, offs_r, cmask, rmask,
-                                      stride_kv, C, FP8, SBLK, NSCALE)
+                                      stride_kv, C, FP8, SBLK, NSCALE, BLOCK_N, BLOCK_C)
         qk = tl.dot(q_lat, tl.trans(k_lat), input_precision=PREC)
         qk += tl.dot(q_rope, tl.trans(k_rope), input_precision=PREC)
         qk = tl.where(valid[None, :], qk * sm_scale_log2, float("-inf"))

@@ -79,9 +79,12 @@ def test_memory_fit_smoke(tmp_path):
 
 def test_every_serving_kernel_compiles_for_sm90():
     """The interpreter never runs Triton's compiler: this builds each launch of the serving path at
-    real V3.2 shapes for the H200 and checks shared memory, with no GPU."""
+    real V3.2 shapes for the H200 and checks shared memory, with no GPU -- the MLA at the backend's
+    decode tiles (narrow, wide, deterministic) and extend tile, over bf16 and FP8 KV rows (the FP8
+    rows at the 3-stage tiles once needed 279 KB of shared memory: a launch failure on the GPU)."""
     out = _run([str(_ROOT / "scripts/compile_sm90.py")], env={"TRITON_INTERPRET": "0"}).stdout
     assert " 0 failed" in out and "_mla_fwd_kernel" in out and "_gate_up_kernel" in out
+    assert "'BLOCK_H': 64" in out and "'BLOCK_H': 32" in out and "'FP8': True" in out
 
 
 def test_cp_bench_smoke(tmp_path):

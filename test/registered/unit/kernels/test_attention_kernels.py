@@ -238,7 +238,9 @@ def test_mla_kv_store_fp8_byte_equal_to_pool_twin(c, r, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sparse", [True, False])
 @pytest.mark.parametrize("split_keys", [0, 32])
-@pytest.mark.parametrize("c", [160, 64])  # two scale blocks, the second short; one block (a scale per row)
+# two scale blocks, the second short; one block (a scale per row); three (not a power of two: the
+# per-element scale gather instead of the per-row broadcast)
+@pytest.mark.parametrize("c", [160, 64, 384])
 def test_mla_attention_fp8_kv_matches_reference_on_dequantised_cache(dtype, sparse, split_keys, c):
     """The kernel dequantises in-kernel; the twin runs on fmt.dequantize's values: same function."""
     from sglang.srt.mem_cache import kv_fp8_format as fmt

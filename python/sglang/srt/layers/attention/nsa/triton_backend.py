@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sgl_kernel.mla_split import decode_split_keys, decode_tile, graph_partial_rows
+from sgl_kernel.mla_split import MLA_EXTEND, decode_split_keys, decode_tile, graph_partial_rows
 from sgl_kernel.topk_plan import prefilter_for, scratch_bytes_per_row
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -31,10 +31,7 @@ from sglang.srt.utils.common import upload
 CPU_SCORE_BUDGET = 2**26
 CUDA_SCORE_BUDGET_MAX = 2**31
 INDEX_ROWS_PER_BLOCK = 128  # token block x index heads: the M of the scoring matmul
-# Tiles measured on the H200 and the H100 (benchmark/kernels/bench_attention_kernels.py), fixed per
-# mode (decode: sgl_kernel.mla_split.decode_tile). Extend: 3 stages (the gathered K tiles prefetched
-# two blocks ahead): 32K prefill 79 vs 122 ms at 2 on the H100.
-MLA_EXTEND = dict(block_h=64, block_n=64, num_warps=8, num_stages=3)
+# MLA tiles per mode: sgl_kernel.mla_split (decode_tile, MLA_EXTEND).
 INDEX_BLOCK_N = 128
 # Dense MHA of short prefills (sgl_kernel.mha_prefill): the fastest of 5 tiles on the H100 at 1K / 2K
 # tokens, 128 heads (0.31 / 0.75 ms, against 0.91 / 3.30 ms for the sparse kernel over all keys).

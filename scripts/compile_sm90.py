@@ -94,6 +94,10 @@ def record_serving_launches() -> None:
                          block_t=block_t, skip_below=k_top)
     for rows in (1, 64, 4096):
         fast_topk(torch.zeros(rows, ctx), torch.full((rows,), ctx, dtype=torch.int32), k_top)
+    wide = 32768  # decode's split path (auto_split on a GPU), prefill's prefilter from 16K keys (topk_plan)
+    fast_topk(torch.zeros(1, wide), torch.full((1,), wide, dtype=torch.int32), k_top, split=16)
+    fast_topk(torch.zeros(4, wide), torch.full((4,), wide, dtype=torch.int32), k_top, prefilter=True)
+    record_other_serving_launches()
     e, hid, inter, top = 8, 7168, 2048, 8
     w13, w2 = torch.zeros(e, 2 * inter, hid, dtype=bf), torch.zeros(e, hid, inter, dtype=bf)
     for t in (1, 64, 4096):  # decode, mid, prefill configs (the heuristic sees 256 experts)
@@ -102,6 +106,33 @@ def record_serving_launches() -> None:
         ids = torch.zeros(t, top, dtype=torch.int32)
         fused_experts(x, w13, w2, torch.zeros(t, top), ids, config=MoEConfig(**cfg.__dict__))
         moe_align_block_size(ids, 256, cfg.block_m)  # the real expert count
+
+
+def record_other_serving_launches() -> None:
+    """The dense short-prompt MHA (V3.2 heads / dims, the backend's tile), the FP8 KV store, the
+    batch-invariant projections and RMSNorm (--enable-deterministic-inference, a decode row and a
+    prefill block), the HiCache page-copy kernel (--hicache-io-backend kernel)."""
+    from sgl_kernel import batch_invariant
+    from sgl_kernel.kv_store import store_mla_kv
+    from sgl_kernel.mha_prefill import mha_prefill
+    from sgl_kernel.page_copy import copy_pages
+    from sglang.srt.layers.attention.nsa.triton_backend import MHA_PREFILL
+
+    bf = torch.bfloat16
+    h, dn, dr, dv, t = 128, 128, 64, 128, 128
+    mha_prefill(torch.zeros(t, h, dn, dtype=bf), torch.zeros(t, h, dr, dtype=bf), torch.zeros(t, h, dn, dtype=bf),
+                torch.zeros(t, dr, dtype=bf), torch.zeros(t, h, dv, dtype=bf), torch.zeros(2, 3, dtype=torch.int32),
+                torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(t, dtype=torch.long),
+                0.1, torch.zeros(t, h, dv, dtype=bf), **MHA_PREFILL)
+    store_mla_kv(torch.zeros(8, 1, 656, dtype=torch.uint8), torch.zeros(3, dtype=torch.long),
+                 torch.zeros(3, 512, dtype=bf), torch.zeros(3, 64, dtype=bf))
+    batch_invariant._num_sms = lambda device: 132  # the H100's / H200's split-K choice, not the CPU stand-in's
+    for m in (1, 4096):
+        for n, k in ((2112, 7168), (7168, 2048), (129280, 7168)):  # fused q_a / kv_a, o_proj (tp 8), lm_head
+            batch_invariant.matmul(torch.zeros(m, k, dtype=bf), torch.zeros(k, n, dtype=bf))
+        batch_invariant.rms_norm(torch.zeros(m, 7168, dtype=bf), torch.zeros(7168, dtype=bf), 1e-6)
+    pages = torch.zeros(4, dtype=torch.long)
+    copy_pages(torch.zeros(8, 64 * 656, dtype=torch.uint8), torch.zeros(8, 64 * 656, dtype=torch.uint8), pages, pages)
 
 
 def main() -> int:

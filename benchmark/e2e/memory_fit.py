@@ -28,6 +28,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -192,7 +193,8 @@ def run_server_config(layers: int, experts: int, args) -> dict:
     for name in ("context_length", "max_prefill_tokens", "chunked_prefill_size"):
         if getattr(args, name):
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    res: dict = {"layers": layers, "experts": experts, "server": True, "cases": {}}
+    flags += shlex.split(args.server_args)
+    res: dict = {"layers": layers, "experts": experts, "server": True, "cases": {}, "server_args": args.server_args}
     if args.device == "cuda":  # this process's CUDA context (the poller's) exists before the server plans
         torch.cuda.mem_get_info()
     t0 = time.perf_counter()
@@ -267,6 +269,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="2x16,2x256,3x16,3x256", help="LAYERSxEXPERTS, comma-separated")
     p.add_argument("--server-configs", default="", help="LAYERSxEXPERTS run through the HTTP server")
+    p.add_argument("--server-args", default="", help="more launch_server flags for --server-configs, e.g. "
+                   "'--kv-cache-dtype fp8_e4m3 --enable-hierarchical-cache'")
     p.add_argument("--long-prompt", type=int, default=32768)
     p.add_argument("--many-len", type=int, default=1024, help="prompt length of the many-prompt prefill")
     p.add_argument("--decode-prompt-len", type=int, default=256)

@@ -400,7 +400,8 @@ class DeepseekV2ForCausalLM(nn.Module):
                     break
             param = params.get(target)
             if param is None:
-                unexpected.add(name)
+                if tensor.numel() != 0:  # empty ones carry nothing: transformers saves [0, H] shared
+                    unexpected.add(name)  # experts for n_shared_experts = 0
                 continue
             param.hf_name = name
             loader = getattr(param, "weight_loader", default_weight_loader)

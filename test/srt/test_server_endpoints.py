@@ -358,3 +358,19 @@ def test_hidden_states_match_transformers(builtin_path):
             ref = hf(torch.tensor([p + r["output_ids"][:-1]]), output_hidden_states=True).hidden_states[-1][0]
         assert ours.shape == ref.shape == (len(p) + 5, hf.config.hidden_size)
         torch.testing.assert_close(ours, ref.float(), rtol=0, atol=1e-4)
+
+
+def test_engine_generate_argument_errors_name_the_argument():
+    """Engine.generate refuses what /generate refuses (exactly one of prompt / input_ids, lists of matching
+    length, known sampling parameters) with a ValueError, and keeps serving after each."""
+    engine = Engine(model_path=MODEL, max_total_tokens=2048, random_seed=0)
+    sp = {"max_new_tokens": 2}
+    for kwargs, match in ((dict(prompt="hi", input_ids=[1, 2]), "exactly one of prompt or input_ids"),
+                          (dict(prompt=[]), "no prompts"),
+                          (dict(prompt=["a", "b"], sampling_params=[sp]), "1 sampling_params for 2 prompts"),
+                          (dict(prompt="hi", sampling_params={"bogus": 1}), "bogus")):
+        with pytest.raises(ValueError, match=match):
+            engine.generate(**{"sampling_params": sp, **kwargs})
+    assert engine.generate(prompt="ok", sampling_params=sp)["meta_info"]["completion_tokens"] == 2
+    assert engine.scheduler.kv_leak_report() is None
+    engine.shutdown()

@@ -111,6 +111,8 @@ class Engine:
         cached_tokens, finish_reason, [input|output]_token_logprobs ...}}. With stream=True
         (single prompt), yields dicts with the text delta instead.
         """
+        if prompt is not None and input_ids is not None:  # as /generate (and upstream's GenerateReqInput)
+            raise ValueError("exactly one of prompt or input_ids is required, got both")
         single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
         prompts = [prompt] if isinstance(prompt, str) else prompt
         ids = [input_ids] if single and input_ids is not None else input_ids

@@ -374,3 +374,32 @@ def test_engine_generate_argument_errors_name_the_argument():
     assert engine.generate(prompt="ok", sampling_params=sp)["meta_info"]["completion_tokens"] == 2
     assert engine.scheduler.kv_leak_report() is None
     engine.shutdown()
+
+
+def test_engine_async_generate_concurrent_tasks_equal_generate():
+    """async_generate (upstream's asyncio entry point): concurrent tasks share the scheduler's steps and
+    each gets exactly its own tokens -- equal to the synchronous generate of the same prompts -- and a
+    streamed task's deltas join to its text; a bad batch queues nothing."""
+    import asyncio
+
+    engine = Engine(model_path=MODEL, max_total_tokens=4096, random_seed=0)
+    prompts = [[5 + i, 17, 30 + 3 * i, 8] for i in range(6)]
+    sp = [{"max_new_tokens": 3 + 2 * i, "temperature": 0, "ignore_eos": True} for i in range(6)]
+    ref = engine.generate(input_ids=prompts, sampling_params=sp)
+
+    async def main():
+        async def streamed():
+            chunks = [c async for c in await engine.async_generate(input_ids=prompts[0], sampling_params=sp[0],
+                                                                   stream=True)]
+            return "".join(c["text"] for c in chunks), chunks[-1]["meta_info"]["completion_tokens"]
+
+        tasks = [engine.async_generate(input_ids=p, sampling_params=s) for p, s in zip(prompts, sp)]
+        return await asyncio.gather(streamed(), engine.async_generate(input_ids=prompts, sampling_params=sp), *tasks)
+
+    (text0, n0), batch, *single = asyncio.run(main())
+    assert [o["output_ids"] for o in single] == [o["output_ids"] for o in batch] == [o["output_ids"] for o in ref]
+    assert text0 == ref[0]["text"] and n0 == 3
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(input_ids=prompts[:2], sampling_params=[sp[0], {"max_new_tokens": -1}])
+    assert not engine._live and not engine.scheduler.has_work() and engine.scheduler.kv_leak_report() is None
+    engine.shutdown()

@@ -1,15 +1,20 @@
-"""Offline engine: `sglang.Engine(model_path=...).generate(prompts, sampling_params)`.
+"""Offline engine: `sglang.Engine(model_path=...).generate(prompts, sampling_params)`, and
+`await engine.async_generate(...)` for asyncio code (upstream's two entry points).
 
 Runs the scheduler in this process (no HTTP, no IPC) -- the same Scheduler class the server's
-scheduler process runs -- and detokenizes with the same DecodeState.
+scheduler process runs -- and detokenizes with the same DecodeState. Every live request is
+registered by id, and whichever caller steps the scheduler routes each step's outputs to their
+requests (a text-delta queue each): concurrent async_generate tasks share the steps, none loses
+another's tokens.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import uuid
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 from sglang.srt.configs.model_config import model_config_from_server_args
 from sglang.srt.managers.detokenizer_manager import DecodeState, push_batch
@@ -30,6 +35,7 @@ class _Pending(RequestState):
     def __init__(self, rid: str, decode: DecodeState, input_ids: list[int], logprob_start_len: int) -> None:
         super().__init__(rid, input_ids, logprob_start_len)
         self.decode = decode
+        self.deltas: list[str] = []  # text deltas not yet taken by a stream
 
     def push(self, out: ReqOutput) -> str:
         return push_outputs([self], [out])[0]
@@ -57,6 +63,7 @@ class Engine:
         self.tokenizer = load_tokenizer(sa.tokenizer_path, sa.trust_remote_code)
         self.scheduler = Scheduler(sa, self.model_config, self.tokenizer)
         self._ids = itertools.count()
+        self._live: dict[str, _Pending] = {}  # rid -> unfinished request, whoever waits on it
 
     # -- requests ---------------------------------------------------------------------------------------
     def _submit(self, prompt: str | None, input_ids: list[int] | None, params: dict | SamplingParams | None,
@@ -74,22 +81,39 @@ class Engine:
         decode = DecodeState(self.tokenizer, sp.skip_special_tokens, sp.spaces_between_special_tokens,
                              sp.stop_strs, sp.no_stop_trim)
         pending = _Pending(rid, decode, list(input_ids), logprob_start_len)
+        self._live[rid] = pending
         for out in self.scheduler.add_request(TokenizedGenerateReqInput(
                 rid, list(input_ids), sp, return_logprob, logprob_start_len, top_logprobs_num,
                 return_hidden_states=return_hidden_states, custom_logit_processor=custom_logit_processor)):
-            pending.push(out)
+            pending.deltas.append(pending.push(out))
+        if pending.done:
+            self._live.pop(rid, None)
         return pending
 
+    def _step(self, waiting: list[_Pending]) -> None:
+        """One scheduler step; its outputs go to their requests, whoever waits on them."""
+        outs = self.scheduler.step()
+        if not outs and not self.scheduler.has_work() and any(not p.done for p in waiting):
+            for p in waiting:
+                self._live.pop(p.rid, None)
+            raise RuntimeError("scheduler idle with unfinished requests")
+        mine = [(self._live[o.rid], o) for o in outs if o.rid in self._live]
+        if mine:
+            for (p, _), d in zip(mine, push_outputs([p for p, _ in mine], [o for _, o in mine])):
+                p.deltas.append(d)
+                if p.done:
+                    self._live.pop(p.rid, None)
+        if not self._live:
+            self.scheduler.finish_idle_step()  # results of finished requests only: nothing to route
+
     def _run(self, pendings: list[_Pending]) -> Iterator[tuple[_Pending, str]]:
-        by_rid = {p.rid: p for p in pendings}
-        while any(not p.done for p in pendings):
-            outs = self.scheduler.step()
-            if not outs and not self.scheduler.has_work():
-                raise RuntimeError("scheduler idle with unfinished requests")
-            mine = [(by_rid[o.rid], o) for o in outs if o.rid in by_rid]
-            deltas = push_outputs([p for p, _ in mine], [o for _, o in mine]) if mine else []
-            yield from ((p, d) for (p, _), d in zip(mine, deltas))
-        self.scheduler.finish_idle_step()  # results of finished requests only: nothing to yield
+        while True:
+            for p in pendings:
+                while p.deltas:
+                    yield p, p.deltas.pop(0)
+            if all(p.done for p in pendings):
+                return
+            self._step(pendings)
 
     def generate(
         self,
@@ -111,6 +135,61 @@ class Engine:
         cached_tokens, finish_reason, [input|output]_token_logprobs ...}}. With stream=True
         (single prompt), yields dicts with the text delta instead.
         """
+        pendings, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                               top_logprobs_num, return_hidden_states, custom_logit_processor)
+        if stream:
+            if len(pendings) != 1:
+                raise ValueError("stream=True takes a single prompt with n = 1")
+            return self._stream(pendings[0])
+        for _ in self._run(pendings):
+            pass
+        results = [p.result() for p in pendings]
+        return results[0] if single else results
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        return_hidden_states: bool = False,
+        custom_logit_processor: str | list[str | None] | None = None,
+    ):
+        """generate() for asyncio: the same arguments and results; with stream=True an async iterator
+        of {"text": delta, "meta_info"}. Concurrent calls share the scheduler's steps (each step serves
+        every request in flight), yielding to the event loop between steps."""
+        pendings, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                               top_logprobs_num, return_hidden_states, custom_logit_processor)
+        if stream:
+            if len(pendings) != 1:
+                raise ValueError("stream=True takes a single prompt with n = 1")
+            return self._async_stream(pendings[0])
+        async for _ in self._async_run(pendings):
+            pass
+        results = [p.result() for p in pendings]
+        return results[0] if single else results
+
+    async def _async_run(self, pendings: list[_Pending]) -> AsyncIterator[tuple[_Pending, str]]:
+        while True:
+            for p in pendings:
+                while p.deltas:
+                    yield p, p.deltas.pop(0)
+            if all(p.done for p in pendings):
+                return
+            self._step(pendings)
+            await asyncio.sleep(0)  # other tasks submit and take their outputs between steps
+
+    async def _async_stream(self, pending: _Pending) -> AsyncIterator[dict]:
+        async for p, delta in self._async_run([pending]):
+            yield {"text": delta, "meta_info": dict(p.meta)}
+
+    def _make_requests(self, prompt, sampling_params, input_ids, return_logprob: bool, logprob_start_len: int,
+                       top_logprobs_num: int, return_hidden_states: bool,
+                       custom_logit_processor) -> tuple[list[_Pending], bool]:
+        """Validate generate()'s arguments and submit its requests: (pendings prompt-major, single)."""
         if prompt is not None and input_ids is not None:  # as /generate (and upstream's GenerateReqInput)
             raise ValueError("exactly one of prompt or input_ids is required, got both")
         single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
@@ -129,18 +208,19 @@ class Engine:
             raise ValueError(f"{len(procs)} custom_logit_processor entries for {n} prompts")
         # sampling_params n > 1: n choices per prompt, prompt-major, answered as a list (as /generate)
         params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(dict(p or {})) for p in params]
-        pendings = [self._submit(prompts[i] if prompts else None, ids[i] if ids else None, params[i].for_choice(j),
-                                 return_logprob, logprob_start_len, top_logprobs_num, return_hidden_states, procs[i])
-                    for i in range(n) for j in range(params[i].n)]
-        single = single and len(pendings) == 1
-        if stream:
-            if len(pendings) != 1:
-                raise ValueError("stream=True takes a single prompt with n = 1")
-            return self._stream(pendings[0])
-        for _ in self._run(pendings):
-            pass
-        results = [p.result() for p in pendings]
-        return results[0] if single else results
+        pendings: list[_Pending] = []
+        try:
+            for i in range(n):
+                for j in range(params[i].n):
+                    pendings.append(self._submit(prompts[i] if prompts else None, ids[i] if ids else None,
+                                                 params[i].for_choice(j), return_logprob, logprob_start_len,
+                                                 top_logprobs_num, return_hidden_states, procs[i]))
+        except Exception:  # a bad request in the batch: the ones already queued leave with it
+            for p in pendings:
+                self.scheduler.abort_request(p.rid)
+                self._live.pop(p.rid, None)
+            raise
+        return pendings, single and len(pendings) == 1
 
     def _stream(self, pending: _Pending):
         for p, delta in self._run([pending]):

@@ -403,3 +403,11 @@ def test_engine_async_generate_concurrent_tasks_equal_generate():
         engine.generate(input_ids=prompts[:2], sampling_params=[sp[0], {"max_new_tokens": -1}])
     assert not engine._live and not engine.scheduler.has_work() and engine.scheduler.kv_leak_report() is None
     engine.shutdown()
+
+
+@pytest.mark.parametrize("kwargs,flag", [(dict(tp_size=2), "--tp-size"),
+                                         (dict(disaggregation_mode="prefill"), "--disaggregation-mode")])
+def test_engine_refuses_what_needs_the_server(kwargs, flag):
+    """The offline Engine is one in-process rank: tp_size 2 used to run silently as one rank."""
+    with pytest.raises(ValueError, match=flag):
+        Engine(model_path=MODEL, max_total_tokens=1024, **kwargs)

@@ -17,6 +17,7 @@ import uuid
 from typing import Any, AsyncIterator, Iterator
 
 from sglang.srt.configs.model_config import model_config_from_server_args
+from sglang.srt.errors import ServerArgsError
 from sglang.srt.managers.detokenizer_manager import DecodeState, push_batch
 from sglang.srt.managers.io_struct import ReqOutput, TokenizedGenerateReqInput
 from sglang.srt.managers.request_state import RequestState
@@ -59,6 +60,12 @@ class Engine:
         configure_logger(log_level)
         self.server_args = ServerArgs.from_kwargs(log_level=log_level, **kwargs).resolve()
         sa = self.server_args
+        if sa.tp_size > 1:  # upstream's Engine spawns the ranks; this one is a single in-process rank
+            raise ServerArgsError("tp_size", f"the offline Engine runs one rank in this process, got {sa.tp_size}: "
+                                  "serve TP / CP / EP across GPUs with `python -m sglang.launch_server --tp-size N`")
+        if sa.disaggregation_mode != "null":
+            raise ServerArgsError("disaggregation_mode", "prefill / decode disaggregation needs the server "
+                                  "(`python -m sglang.launch_server --disaggregation-mode ...`)")
         self.model_config = model_config_from_server_args(sa)
         self.tokenizer = load_tokenizer(sa.tokenizer_path, sa.trust_remote_code)
         self.scheduler = Scheduler(sa, self.model_config, self.tokenizer)

@@ -132,6 +132,24 @@ def test_retrieve_model(server, client):
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_get_load_has_upstream_shape_and_counts_a_running_request(server):
+    """/get_load (what upstream's routers poll): a list per DP rank of num_reqs / num_waiting_reqs /
+    num_tokens; a long request in flight shows as one request holding KV."""
+    import threading
+
+    idle = requests.get(server.base_url + "/get_load").json()
+    assert isinstance(idle, list) and set(idle[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    body = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    t = threading.Thread(target=lambda: requests.post(server.base_url + "/generate", json=body, timeout=300))
+    t.start()
+    seen = None
+    while t.is_alive() and seen is None:  # wait on the condition, not a fixed sleep
+        load = requests.get(server.base_url + "/get_load").json()[0]
+        seen = load if load["num_reqs"] >= 1 and load["num_tokens"] > 0 else None
+    t.join()
+    assert seen is not None and seen["dp_rank"] == 0
+
+
 # -- validation status, payload limit ------------------------------------------------------------------
 def test_validation_errors_are_400_naming_the_field(server):
     for path, body, param in [("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),

@@ -239,6 +239,16 @@ def _register_info_routes(app: FastAPI, tm: TokenizerManager, server_args: Serve
             info["internal_states"] = []
         return info
 
+    @app.get("/get_load")
+    async def get_load():
+        """Upstream's load report for routers: one entry per DP rank (one here)."""
+        try:
+            st = await tm.get_load()
+        except asyncio.TimeoutError:
+            return error_response("the scheduler does not answer", 503, "server_error")
+        return [{"dp_rank": 0, "num_reqs": st.num_running_reqs + st.num_waiting_reqs,
+                 "num_waiting_reqs": st.num_waiting_reqs, "num_tokens": st.num_used_tokens}]
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         out = await tm.flush_cache()

@@ -150,6 +150,30 @@ def test_get_load_has_upstream_shape_and_counts_a_running_request(server):
     assert seen is not None and seen["dp_rank"] == 0
 
 
+def test_abort_request_ends_the_request(server):
+    """/abort_request {"rid"} (upstream's): the waiting client is answered at once with the abort (a
+    400 naming it, as for any aborted single request) instead of its 3000 tokens; an unknown rid is a
+    no-op, a body without rid / abort_all a 400; the server keeps serving."""
+    import threading
+
+    body = {"input_ids": [5, 6, 7, 9], "rid": "to-abort", "sampling_params": {"max_new_tokens": 3000,
+                                                                             "ignore_eos": True}}
+    got = {}
+    t = threading.Thread(target=lambda: got.update(r=requests.post(server.base_url + "/generate", json=body,
+                                                                   timeout=300)))
+    t.start()
+    while t.is_alive() and requests.get(server.base_url + "/get_load").json()[0]["num_tokens"] == 0:
+        pass  # until the request holds KV (it runs)
+    assert requests.post(server.base_url + "/abort_request", json={"rid": "to-abort"}).status_code == 200
+    t.join()
+    r = got["r"]  # a single aborted request answers as an error, as the scheduler's own aborts do
+    assert r.status_code == 400 and "abort" in r.json()["error"]["message"], r.text
+    assert requests.post(server.base_url + "/abort_request", json={"rid": "nobody"}).status_code == 200
+    bad = requests.post(server.base_url + "/abort_request", json={"abort_all": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"
+    _ok(server)
+
+
 # -- validation status, payload limit ------------------------------------------------------------------
 def test_validation_errors_are_400_naming_the_field(server):
     for path, body, param in [("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),

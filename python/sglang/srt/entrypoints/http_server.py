@@ -239,6 +239,15 @@ def _register_info_routes(app: FastAPI, tm: TokenizerManager, server_args: Serve
             info["internal_states"] = []
         return info
 
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        """Upstream's: {"rid": ...} or {"abort_all": true}; the request's client gets an abort finish."""
+        body = await request.json()
+        if not isinstance(body, dict) or not (isinstance(body.get("rid"), str) or body.get("abort_all") is True):
+            return error_response('abort_request takes {"rid": "<id>"} or {"abort_all": true}', 400, param="rid")
+        tm.abort_request(body.get("rid"), bool(body.get("abort_all")))
+        return Response(status_code=200)
+
     @app.get("/get_load")
     async def get_load():
         """Upstream's load report for routers: one entry per DP rank (one here)."""

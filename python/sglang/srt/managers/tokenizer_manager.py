@@ -297,6 +297,16 @@ class TokenizerManager:
         self._forget(iid)
         asyncio.ensure_future(self.send_to_scheduler.send_pyobj(AbortReq(iid)))
 
+    def abort_request(self, rid: str | None, abort_all: bool = False) -> int:
+        """/abort_request: ask the scheduler to end request `rid` (or every one); unlike `abort`, the
+        state stays, so its client is answered by the scheduler's abort output (finish reason abort:
+        a 400 for a single request, the item's finish reason in a batch or a stream). Returns how
+        many were asked."""
+        iids = list(self.states) if abort_all else [self.rid_in_flight[rid]] if rid in self.rid_in_flight else []
+        for iid in iids:
+            asyncio.ensure_future(self.send_to_scheduler.send_pyobj(AbortReq(iid)))
+        return len(iids)
+
     def abort_all(self, message: str, status_code: int = 503) -> int:
         """End every request in flight now (each client gets an abort finish), e.g. at shutdown."""
         n = len(self.states)

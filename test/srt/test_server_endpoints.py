@@ -418,7 +418,7 @@ def test_engine_generate_argument_errors_name_the_argument():
     engine.shutdown()
 
 
-def test_engine_async_generate_concurrent_tasks_equal_generate():
+def test_engine_async_generate_concurrent_tasks_equal_generate(tok):
     """async_generate (upstream's asyncio entry point): concurrent tasks share the scheduler's steps and
     each gets exactly its own tokens -- equal to the synchronous generate of the same prompts -- and a
     streamed task's deltas join to its text; a bad batch queues nothing."""
@@ -430,10 +430,11 @@ def test_engine_async_generate_concurrent_tasks_equal_generate():
     ref = engine.generate(input_ids=prompts, sampling_params=sp)
 
     async def main():
-        async def streamed():
+        async def streamed():  # each chunk: the result so far (upstream's), the last one whole
             chunks = [c async for c in await engine.async_generate(input_ids=prompts[0], sampling_params=sp[0],
                                                                    stream=True)]
-            return "".join(c["text"] for c in chunks), chunks[-1]["meta_info"]["completion_tokens"]
+            assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
+            return chunks[-1]["text"], chunks[-1]["meta_info"]["completion_tokens"]
 
         tasks = [engine.async_generate(input_ids=p, sampling_params=s) for p, s in zip(prompts, sp)]
         return await asyncio.gather(streamed(), engine.async_generate(input_ids=prompts, sampling_params=sp), *tasks)
@@ -441,6 +442,17 @@ def test_engine_async_generate_concurrent_tasks_equal_generate():
     (text0, n0), batch, *single = asyncio.run(main())
     assert [o["output_ids"] for o in single] == [o["output_ids"] for o in batch] == [o["output_ids"] for o in ref]
     assert text0 == ref[0]["text"] and n0 == 3
+    # upstream's doc helpers over the same streams (sglang.utils)
+    from sglang.utils import async_stream_and_merge, stream_and_merge
+
+    text = tok.decode(prompts[1])
+    want = engine.generate(text, sp[1])["text"]
+    assert stream_and_merge(engine, text, sp[1]) == want
+
+    async def merged():
+        return "".join([piece async for piece in async_stream_and_merge(engine, text, sp[1])])
+
+    assert asyncio.run(merged()) == want
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.generate(input_ids=prompts[:2], sampling_params=[sp[0], {"max_new_tokens": -1}])
     assert not engine._live and not engine.scheduler.has_work() and engine.scheduler.kv_leak_report() is None

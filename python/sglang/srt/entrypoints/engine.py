@@ -140,7 +140,8 @@ class Engine:
 
         Each result: {"text", "output_ids", "meta_info": {prompt_tokens, completion_tokens,
         cached_tokens, finish_reason, [input|output]_token_logprobs ...}}. With stream=True
-        (single prompt), yields dicts with the text delta instead.
+        (single prompt), yields that dict after each step, the text so far in it (upstream's, as
+        /generate's stream; sglang.utils.stream_and_merge joins the chunks).
         """
         pendings, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                                top_logprobs_num, return_hidden_states, custom_logit_processor)
@@ -166,7 +167,7 @@ class Engine:
         custom_logit_processor: str | list[str | None] | None = None,
     ):
         """generate() for asyncio: the same arguments and results; with stream=True an async iterator
-        of {"text": delta, "meta_info"}. Concurrent calls share the scheduler's steps (each step serves
+        of the result so far after each step. Concurrent calls share the scheduler's steps (each step serves
         every request in flight), yielding to the event loop between steps."""
         pendings, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                                top_logprobs_num, return_hidden_states, custom_logit_processor)
@@ -190,8 +191,8 @@ class Engine:
             await asyncio.sleep(0)  # other tasks submit and take their outputs between steps
 
     async def _async_stream(self, pending: _Pending) -> AsyncIterator[dict]:
-        async for p, delta in self._async_run([pending]):
-            yield {"text": delta, "meta_info": dict(p.meta)}
+        async for p, _ in self._async_run([pending]):
+            yield p.result()
 
     def _make_requests(self, prompt, sampling_params, input_ids, return_logprob: bool, logprob_start_len: int,
                        top_logprobs_num: int, return_hidden_states: bool,
@@ -229,9 +230,9 @@ class Engine:
             raise
         return pendings, single and len(pendings) == 1
 
-    def _stream(self, pending: _Pending):
-        for p, delta in self._run([pending]):
-            yield {"text": delta, "meta_info": dict(p.meta)}
+    def _stream(self, pending: _Pending) -> Iterator[dict]:
+        for p, _ in self._run([pending]):
+            yield p.result()
 
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache().success

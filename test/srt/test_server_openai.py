@@ -159,6 +159,9 @@ def test_models_and_native_routes(server, client):
     assert info["model_path"] == MODEL and info["is_generation"]
     si = requests.get(url + "/get_server_info").json()
     assert si["max_total_num_tokens"] == 16384 and si["internal_states"][0]["kv_total_tokens"] == 16384
+    # newer upstream's names for the same two routes
+    assert requests.get(url + "/model_info").json() == info
+    assert requests.get(url + "/server_info").json()["max_total_num_tokens"] == 16384
     g = requests.post(url + "/generate", json={"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4,
                                                                                        "temperature": 0}}).json()
     assert len(g["output_ids"]) == 4 and g["meta_info"]["finish_reason"]["type"] == "length"

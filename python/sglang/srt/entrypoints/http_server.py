@@ -222,12 +222,14 @@ def _register_info_routes(app: FastAPI, tm: TokenizerManager, server_args: Serve
     served = server_args.served_model_name
 
     @app.get("/get_model_info")
+    @app.get("/model_info")  # newer upstream's name (get_ kept, as upstream does)
     async def model_info():
         return {"model_path": server_args.model_path, "tokenizer_path": server_args.tokenizer_path,
                 "is_generation": True, "served_model_name": served,
                 "architecture": tm.scheduler_info.get("architecture")}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def server_info():
         info: dict[str, Any] = dataclasses.asdict(server_args)
         info.pop("api_key", None)

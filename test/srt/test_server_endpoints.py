@@ -453,6 +453,12 @@ def test_engine_async_generate_concurrent_tasks_equal_generate(tok):
         return "".join([piece async for piece in async_stream_and_merge(engine, text, sp[1])])
 
     assert asyncio.run(merged()) == want
+    # a stream left early: its request is aborted at the next step, its KV freed
+    stream = engine.generate(input_ids=prompts[2], sampling_params={"max_new_tokens": 200, "ignore_eos": True},
+                             stream=True)
+    next(stream), next(stream)
+    stream.close()
+    assert engine.generate(input_ids=prompts[3], sampling_params=sp[3])["output_ids"] == ref[3]["output_ids"]
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.generate(input_ids=prompts[:2], sampling_params=[sp[0], {"max_new_tokens": -1}])
     assert not engine._live and not engine.scheduler.has_work() and engine.scheduler.kv_leak_report() is None

@@ -191,8 +191,11 @@ class Engine:
             await asyncio.sleep(0)  # other tasks submit and take their outputs between steps
 
     async def _async_stream(self, pending: _Pending) -> AsyncIterator[dict]:
-        async for p, _ in self._async_run([pending]):
-            yield p.result()
+        try:
+            async for p, _ in self._async_run([pending]):
+                yield p.result()
+        finally:
+            self._drop(pending)
 
     def _make_requests(self, prompt, sampling_params, input_ids, return_logprob: bool, logprob_start_len: int,
                        top_logprobs_num: int, return_hidden_states: bool,
@@ -231,8 +234,18 @@ class Engine:
         return pendings, single and len(pendings) == 1
 
     def _stream(self, pending: _Pending) -> Iterator[dict]:
-        for p, _ in self._run([pending]):
-            yield p.result()
+        try:
+            for p, _ in self._run([pending]):
+                yield p.result()
+        finally:
+            self._drop(pending)
+
+    def _drop(self, pending: _Pending) -> None:
+        """A stream its caller left early: the scheduler aborts the request at its next step (and
+        frees its KV); its outputs reach no one."""
+        if not pending.done:
+            self._live.pop(pending.rid, None)
+            self.scheduler.abort_request(pending.rid)
 
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache().success

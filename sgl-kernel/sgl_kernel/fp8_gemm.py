@@ -180,15 +180,21 @@ def _w8_block_gemm_kernel(X, XS, W, WS, Y, P, BIAS, LOCKS, M, N, K,
         b_ptrs += BLOCK_K
     out_mask = m_ok[:, None] & n_ok[None, :]
     if not PARTIAL:
-        if HAS_BIAS:
-            acc += tl.load(BIAS + safe_n).to(tl.float32)[None, :]
-        tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=out_mask)
+        _store_tile(acc, BIAS, Y, offs_m, offs_n, safe_n, out_mask, stride_ym, HAS_BIAS)
     else:
         tl.store(P + sk * stride_ps + offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :], acc, mask=out_mask)
         if SERIAL:
             _reduce_partials(P, BIAS, Y, LOCKS + pid, offs_m, offs_n, safe_n, out_mask, stride_ps, stride_pm,
                              stride_ym, SPLIT_K, BLOCK_M, BLOCK_N, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(acc, BIAS, Y, offs_m, offs_n, safe_n, out_mask, stride_ym, HAS_BIAS: tl.constexpr):
+    """The GEMMs' one epilogue: + bias (fp32), cast to Y's dtype, masked store of the tile."""
+    if HAS_BIAS:
+        acc += tl.load(BIAS + safe_n).to(tl.float32)[None, :]
+    tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+             mask=out_mask)
 
 
 @triton.jit
@@ -207,10 +213,7 @@ def _reduce_partials(P, BIAS, Y, lock, offs_m, offs_n, safe_n, out_mask, stride_
         rows = offs_m.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
         for s in range(0, SPLIT_K):
             acc += tl.load(P + s * stride_ps + rows, mask=out_mask, other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            acc += tl.load(BIAS + safe_n).to(tl.float32)[None, :]
-        tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-                 mask=out_mask)
+        _store_tile(acc, BIAS, Y, offs_m, offs_n, safe_n, out_mask, stride_ym, HAS_BIAS)
         tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
@@ -237,10 +240,8 @@ def _w8a8_tma_kernel(a_desc, b_desc, XS, WS, Y, BIAS, M, N, K, stride_xsm, strid
         s = tl.load(xs_ptrs + kb)
         ws = tl.load(ws_ptrs + kb)
         acc += tl.dot(a, b.T) * promotion(s, ws, BLOCK_N <= BN)
-    if HAS_BIAS:
-        acc += tl.load(BIAS + safe_n).to(tl.float32)[None, :]
-    tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+    _store_tile(acc, BIAS, Y, offs_m, offs_n, safe_n, (offs_m < M)[:, None] & (offs_n < N)[None, :], stride_ym,
+                HAS_BIAS)
 
 
 @triton.jit

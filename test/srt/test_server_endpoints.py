@@ -410,9 +410,11 @@ def test_engine_generate_argument_errors_name_the_argument():
     for kwargs, match in ((dict(prompt="hi", input_ids=[1, 2]), "exactly one of prompt or input_ids"),
                           (dict(prompt=[]), "no prompts"),
                           (dict(prompt=["a", "b"], sampling_params=[sp]), "1 sampling_params for 2 prompts"),
-                          (dict(prompt="hi", sampling_params={"bogus": 1}), "bogus")):
+                          (dict(prompt="hi", sampling_params={"bogus": 1}), "bogus"),
+                          (dict(prompt=["a", "b"], stream=True), "single prompt")):
         with pytest.raises(ValueError, match=match):
             engine.generate(**{"sampling_params": sp, **kwargs})
+        assert not engine.scheduler.has_work() and not engine._live, kwargs  # nothing was queued
     assert engine.generate(prompt="ok", sampling_params=sp)["meta_info"]["completion_tokens"] == 2
     assert engine.scheduler.kv_leak_report() is None
     engine.shutdown()

@@ -55,6 +55,11 @@ def push_outputs(pendings: list[_Pending], outs: list[ReqOutput]) -> list[str]:
     return deltas
 
 
+def _results(pendings: list[_Pending], single: bool) -> dict | list[dict]:
+    results = [p.result() for p in pendings]
+    return results[0] if single else results
+
+
 class Engine:
     def __init__(self, log_level: str = "error", **kwargs: Any) -> None:
         configure_logger(log_level)
@@ -113,11 +118,17 @@ class Engine:
         if not self._live:
             self.scheduler.finish_idle_step()  # results of finished requests only: nothing to route
 
+    @staticmethod
+    def _take(pendings: list[_Pending]) -> list[tuple[_Pending, str]]:
+        """The text deltas the steps so far left for `pendings`, in order."""
+        out = [(p, d) for p in pendings for d in p.deltas]
+        for p in pendings:
+            p.deltas.clear()
+        return out
+
     def _run(self, pendings: list[_Pending]) -> Iterator[tuple[_Pending, str]]:
         while True:
-            for p in pendings:
-                while p.deltas:
-                    yield p, p.deltas.pop(0)
+            yield from self._take(pendings)
             if all(p.done for p in pendings):
                 return
             self._step(pendings)
@@ -144,15 +155,12 @@ class Engine:
         /generate's stream; sglang.utils.stream_and_merge joins the chunks).
         """
         pendings, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                               top_logprobs_num, return_hidden_states, custom_logit_processor)
+                                               top_logprobs_num, stream, return_hidden_states, custom_logit_processor)
         if stream:
-            if len(pendings) != 1:
-                raise ValueError("stream=True takes a single prompt with n = 1")
             return self._stream(pendings[0])
         for _ in self._run(pendings):
             pass
-        results = [p.result() for p in pendings]
-        return results[0] if single else results
+        return _results(pendings, single)
 
     async def async_generate(
         self,
@@ -170,21 +178,17 @@ class Engine:
         of the result so far after each step. Concurrent calls share the scheduler's steps (each step serves
         every request in flight), yielding to the event loop between steps."""
         pendings, single = self._make_requests(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                               top_logprobs_num, return_hidden_states, custom_logit_processor)
+                                               top_logprobs_num, stream, return_hidden_states, custom_logit_processor)
         if stream:
-            if len(pendings) != 1:
-                raise ValueError("stream=True takes a single prompt with n = 1")
             return self._async_stream(pendings[0])
         async for _ in self._async_run(pendings):
             pass
-        results = [p.result() for p in pendings]
-        return results[0] if single else results
+        return _results(pendings, single)
 
     async def _async_run(self, pendings: list[_Pending]) -> AsyncIterator[tuple[_Pending, str]]:
         while True:
-            for p in pendings:
-                while p.deltas:
-                    yield p, p.deltas.pop(0)
+            for item in self._take(pendings):
+                yield item
             if all(p.done for p in pendings):
                 return
             self._step(pendings)
@@ -198,7 +202,7 @@ class Engine:
             self._drop(pending)
 
     def _make_requests(self, prompt, sampling_params, input_ids, return_logprob: bool, logprob_start_len: int,
-                       top_logprobs_num: int, return_hidden_states: bool,
+                       top_logprobs_num: int, stream: bool, return_hidden_states: bool,
                        custom_logit_processor) -> tuple[list[_Pending], bool]:
         """Validate generate()'s arguments and submit its requests: (pendings prompt-major, single)."""
         if prompt is not None and input_ids is not None:  # as /generate (and upstream's GenerateReqInput)
@@ -219,6 +223,8 @@ class Engine:
             raise ValueError(f"{len(procs)} custom_logit_processor entries for {n} prompts")
         # sampling_params n > 1: n choices per prompt, prompt-major, answered as a list (as /generate)
         params = [p if isinstance(p, SamplingParams) else SamplingParams.from_dict(dict(p or {})) for p in params]
+        if stream and (n != 1 or params[0].n != 1):  # checked before any request is queued
+            raise ValueError("stream=True takes a single prompt with n = 1")
         pendings: list[_Pending] = []
         try:
             for i in range(n):

@@ -24,6 +24,9 @@ import torch
 
 from sglang.bench_plot import import_pyplot
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import chain_graph_ms, rotations  # noqa: E402
+
 H, C, R, K_TOP = 128, 512, 64, 2048  # V3.2 MLA heads, latent, rope, index_topk
 IH, ID = 64, 128  # indexer heads, head dim
 
@@ -86,9 +89,6 @@ def _decode_chain_ms(q_lat, q_rope, tok_req, pos, topk, pidx, c: int, ctx: int, 
     from the 50 MB L2 after the first replay; a model's 61 layers each read their own cache. Each set
     maps the context's positions into its own slot range (a few positions may share a slot: the
     timing, not the values, matters here)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from timing import chain_graph_ms, rotations
-
     from sgl_kernel.sparse_mla import mla_attention
 
     t = q_lat.shape[0]
